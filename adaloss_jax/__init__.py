@@ -1,0 +1,63 @@
+"""adaloss_jax: loss scaling for fp16/fp8 mixed-precision training in JAX."""
+
+from adaloss_jax._formats import (
+    BFLOAT16,
+    FLOAT8_E4M3,
+    FLOAT8_E5M2,
+    FLOAT16,
+    FLOAT32,
+    FORMATS,
+    FloatFormat,
+    float_format,
+)
+from adaloss_jax._policies import (
+    DynamicLossScale,
+    LossScalePolicy,
+    LossScaleState,
+    NoLossScale,
+    StaticLossScale,
+    dynamic,
+    no_scaling,
+    static,
+)
+from adaloss_jax._transforms import (
+    SkipNonFiniteState,
+    all_finite,
+    loss_scaled,
+    scale_loss,
+    scale_state,
+    select_tree,
+    skip_nonfinite,
+    unscale,
+    value_and_grad,
+)
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "BFLOAT16",
+    "FLOAT16",
+    "FLOAT32",
+    "FLOAT8_E4M3",
+    "FLOAT8_E5M2",
+    "FORMATS",
+    "DynamicLossScale",
+    "FloatFormat",
+    "LossScalePolicy",
+    "LossScaleState",
+    "NoLossScale",
+    "SkipNonFiniteState",
+    "StaticLossScale",
+    "all_finite",
+    "dynamic",
+    "float_format",
+    "loss_scaled",
+    "no_scaling",
+    "scale_loss",
+    "scale_state",
+    "select_tree",
+    "skip_nonfinite",
+    "static",
+    "unscale",
+    "value_and_grad",
+]

@@ -1,0 +1,304 @@
+"""Global loss-scale policies: frozen configs with pure, branch-free update rules.
+
+A policy is static configuration (hashable, never traced); its mutable part lives
+in :class:`LossScaleState`, a NamedTuple of arrays, so every field survives
+``jax.tree_util`` flatten/unflatten, ``jit`` and checkpointing, and no configuration
+can be lost on the way (jmp's ``DynamicLossScale`` drops ``min_loss_scale`` when
+flattened).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from adaloss_jax import _formats, _validation
+
+
+class LossScaleState(NamedTuple):
+    """State of a global loss scale.
+
+    Attributes:
+      loss_scale: current scale, fp32 scalar, always a finite power of two > 0.
+      finite_count: consecutive applied steps since the scale last changed
+        (jmp ``counter``, flax ``fin_steps``, torch ``_growth_tracker``).
+      hysteresis_left: gradient overflows still tolerated before the scale backs off.
+      notfinite_count: consecutive skipped steps (any cause).
+      total_applied: steps whose update was applied.
+      total_skipped: steps skipped (gradient overflow or non-finite loss).
+      total_nonfinite_loss: of ``total_skipped``, those whose *loss* was non-finite.
+      last_applied: whether the most recent step was applied (bool scalar).
+    """
+
+    loss_scale: jax.Array
+    finite_count: jax.Array
+    hysteresis_left: jax.Array
+    notfinite_count: jax.Array
+    total_applied: jax.Array
+    total_skipped: jax.Array
+    total_nonfinite_loss: jax.Array
+    last_applied: jax.Array
+
+
+def _i32(x) -> jax.Array:
+    return jnp.asarray(x, jnp.int32)
+
+
+def _initial_state(scale: float, hysteresis: int) -> LossScaleState:
+    return LossScaleState(
+        loss_scale=jnp.asarray(scale, jnp.float32),
+        finite_count=_i32(0),
+        hysteresis_left=_i32(hysteresis),
+        notfinite_count=_i32(0),
+        total_applied=_i32(0),
+        total_skipped=_i32(0),
+        total_nonfinite_loss=_i32(0),
+        last_applied=jnp.asarray(True),
+    )
+
+
+def _count(state: LossScaleState, grads_finite, loss_finite) -> LossScaleState:
+    """Updates the step counters; the scale fields are left to the policy."""
+    applied = jnp.logical_and(grads_finite, loss_finite)
+    skipped = jnp.logical_not(applied)
+    return state._replace(
+        notfinite_count=jnp.where(applied, 0, state.notfinite_count + 1),
+        total_applied=state.total_applied + applied.astype(jnp.int32),
+        total_skipped=state.total_skipped + skipped.astype(jnp.int32),
+        total_nonfinite_loss=state.total_nonfinite_loss
+        + jnp.logical_not(loss_finite).astype(jnp.int32),
+        last_applied=applied,
+    )
+
+
+@dataclasses.dataclass(frozen=True)
+class NoLossScale:
+    """No scaling: scale 1, for bf16/fp32 compute (no underflow to fix).
+
+    Steps with non-finite gradients or loss are still skipped and counted.
+
+    Attributes:
+      reason: why scaling is off (shown by ``repr``); informational only.
+    """
+
+    reason: str = "no scaling requested"
+
+    @property
+    def hysteresis(self) -> int:
+        return 1
+
+    def init(self) -> LossScaleState:
+        return _initial_state(1.0, 1)
+
+    def adjust(self, state: LossScaleState, grads_finite, loss_finite=True) -> LossScaleState:
+        return _count(state, jnp.asarray(grads_finite), jnp.asarray(loss_finite))
+
+
+@dataclasses.dataclass(frozen=True)
+class StaticLossScale:
+    """A fixed loss scale (jmp ``StaticLossScale``).
+
+    Attributes:
+      loss_scale: the scale, a power of two.
+    """
+
+    loss_scale: float = 2.0**15
+
+    def __post_init__(self):
+        _validation.check_power_of_two("loss_scale", self.loss_scale)
+
+    @property
+    def hysteresis(self) -> int:
+        return 1
+
+    def init(self) -> LossScaleState:
+        return _initial_state(self.loss_scale, 1)
+
+    def adjust(self, state: LossScaleState, grads_finite, loss_finite=True) -> LossScaleState:
+        return _count(state, jnp.asarray(grads_finite), jnp.asarray(loss_finite))
+
+
+@dataclasses.dataclass(frozen=True)
+class DynamicLossScale:
+    """Dynamic global loss scale with bounds and hysteresis.
+
+    The rule, per step (``applied = grads_finite and loss_finite``)::
+
+        if applied:
+            finite_count += 1
+            if consecutive_hysteresis: hysteresis_left = hysteresis
+            if finite_count == period:          # the period-th finite step in a row
+                loss_scale = min(loss_scale * factor, max_loss_scale)
+                finite_count = 0
+                hysteresis_left = hysteresis
+        elif loss_finite:                       # gradient overflow: skip, maybe back off
+            finite_count = 0
+            hysteresis_left = max(hysteresis_left - 1, 0)
+            if hysteresis_left == 0:
+                loss_scale = max(loss_scale / factor, min_loss_scale)
+        else:                                   # forward pass overflowed: skip only
+            pass                                # the loss scale cannot fix it
+
+    Growth happens on the ``period``-th consecutive finite step, as in jmp
+    (``period``) and torch ``GradScaler`` (``growth_interval``). flax's
+    ``DynamicScale(growth_interval=G)`` grows one step later, on the ``(G+1)``-th;
+    it equals this rule with ``period = G + 1``.
+
+    ``hysteresis_left`` refills only when the scale grows (Megatron-LM's rule), or after
+    every applied step with ``consecutive_hysteresis=True`` (DeepSpeed's option). Once it
+    is 0, every further overflow backs off until the next refill. ``hysteresis=1`` is the
+    classic rule of jmp/flax/torch: back off on every overflow.
+
+    Attributes:
+      initial_scale: starting scale (jmp ``loss_scale``, flax ``scale``).
+      period: consecutive finite steps per growth (jmp ``period``, torch
+        ``growth_interval``).
+      factor: growth and back-off factor, a power of two (jmp ``factor``).
+      min_loss_scale: lower bound (jmp ``min_loss_scale``, flax ``minimum_scale``).
+      max_loss_scale: upper bound; the scale can never reach inf.
+      hysteresis: overflows tolerated before backing off (Megatron ``hysteresis``).
+      consecutive_hysteresis: refill the hysteresis after every applied step.
+    """
+
+    initial_scale: float = 2.0**15
+    period: int = 2000
+    factor: float = 2.0
+    min_loss_scale: float = 1.0
+    max_loss_scale: float = 2.0**64
+    hysteresis: int = 1
+    consecutive_hysteresis: bool = False
+
+    def __post_init__(self):
+        _validation.check_power_of_two("initial_scale", self.initial_scale)
+        _validation.check_int("period", self.period, minimum=1)
+        _validation.check_positive_finite("factor", self.factor)
+        if not self.factor > 1:
+            raise ValueError(
+                f"factor must be > 1 (the scale grows by it and backs off by it), "
+                f"got {self.factor!r}; pass factor=2.0"
+            )
+        _validation.check_power_of_two("factor", self.factor)
+        _validation.check_power_of_two("min_loss_scale", self.min_loss_scale)
+        _validation.check_power_of_two("max_loss_scale", self.max_loss_scale)
+        if self.min_loss_scale > self.max_loss_scale:
+            raise ValueError(
+                f"min_loss_scale={self.min_loss_scale!r} is larger than "
+                f"max_loss_scale={self.max_loss_scale!r}; swap them or widen the range"
+            )
+        if not self.min_loss_scale <= self.initial_scale <= self.max_loss_scale:
+            raise ValueError(
+                f"initial_scale={self.initial_scale!r} lies outside [min_loss_scale, "
+                f"max_loss_scale] = [{self.min_loss_scale!r}, {self.max_loss_scale!r}]; "
+                f"pass an initial_scale inside the bounds"
+            )
+        _validation.check_int("hysteresis", self.hysteresis, minimum=1)
+        _validation.check_bool("consecutive_hysteresis", self.consecutive_hysteresis)
+
+    def init(self) -> LossScaleState:
+        return _initial_state(self.initial_scale, self.hysteresis)
+
+    def adjust(self, state: LossScaleState, grads_finite, loss_finite=True) -> LossScaleState:
+        """Returns the next state (pure, branch-free, jit-able)."""
+        grads_finite = jnp.asarray(grads_finite)
+        loss_finite = jnp.asarray(loss_finite)
+        applied = jnp.logical_and(grads_finite, loss_finite)
+        overflow = jnp.logical_and(loss_finite, jnp.logical_not(grads_finite))
+        scale = state.loss_scale
+
+        count = state.finite_count + 1
+        grow = jnp.logical_and(applied, count >= self.period)
+        grown = jnp.minimum(scale * self.factor, self.max_loss_scale)
+
+        hyst = jnp.where(overflow, jnp.maximum(state.hysteresis_left - 1, 0), state.hysteresis_left)
+        backoff = jnp.logical_and(overflow, hyst == 0)
+        shrunk = jnp.maximum(scale / self.factor, self.min_loss_scale)
+        refill = grow | (applied & self.consecutive_hysteresis)
+        hyst = jnp.where(refill, self.hysteresis, hyst)
+
+        new_scale = jnp.where(grow, grown, jnp.where(backoff, shrunk, scale))
+        finite_count = jnp.where(
+            applied, jnp.where(grow, 0, count), jnp.where(overflow, 0, state.finite_count)
+        )
+        state = state._replace(
+            loss_scale=new_scale.astype(jnp.float32),
+            finite_count=finite_count.astype(jnp.int32),
+            hysteresis_left=hyst.astype(jnp.int32),
+        )
+        return _count(state, grads_finite, loss_finite)
+
+
+LossScalePolicy = NoLossScale | StaticLossScale | DynamicLossScale
+
+_NOTICED: set[str] = set()
+
+
+def _notice_no_scaling(fmt: _formats.FloatFormat) -> None:
+    if fmt.name in _NOTICED:
+        return
+    _NOTICED.add(fmt.name)
+    warnings.warn(
+        f"adaloss_jax: compute_dtype={fmt.name} has fp32's exponent range, so gradients do "
+        f"not underflow and need no loss scaling; using NoLossScale (scale 1). "
+        f"Loss scaling is for float16 and fp8.",
+        stacklevel=3,
+    )
+
+
+def _resolve(compute_dtype: Any, policy: LossScalePolicy) -> LossScalePolicy:
+    fmt = _formats.float_format(compute_dtype, argname="compute_dtype")
+    if fmt.needs_scaling:
+        return policy
+    _notice_no_scaling(fmt)
+    return NoLossScale(reason=f"compute_dtype={fmt.name} needs no loss scaling")
+
+
+def no_scaling() -> NoLossScale:
+    """No loss scaling (scale 1); non-finite steps are still skipped and counted."""
+    return NoLossScale()
+
+
+def static(loss_scale: float = 2.0**15, *, compute_dtype: Any = "float16") -> LossScalePolicy:
+    """A fixed power-of-two loss scale; a no-op (with a one-time notice) unless the
+    compute dtype is float16 or fp8.
+
+    >>> static(2.0**10).loss_scale
+    1024.0
+    """
+    return _resolve(compute_dtype, StaticLossScale(loss_scale))
+
+
+def dynamic(
+    *,
+    initial_scale: float = 2.0**15,
+    period: int = 2000,
+    factor: float = 2.0,
+    min_loss_scale: float = 1.0,
+    max_loss_scale: float = 2.0**64,
+    hysteresis: int = 1,
+    consecutive_hysteresis: bool = False,
+    compute_dtype: Any = "float16",
+) -> LossScalePolicy:
+    """Dynamic global loss scaling (see :class:`DynamicLossScale` for the rule).
+
+    Scaling is activated only for float16 and fp8 ``compute_dtype`` (Keras 3's
+    choice): for bfloat16 or float32 this returns :class:`NoLossScale` and says so once.
+
+    >>> dynamic(period=100).period
+    100
+    """
+    return _resolve(
+        compute_dtype,
+        DynamicLossScale(
+            initial_scale=initial_scale,
+            period=period,
+            factor=factor,
+            min_loss_scale=min_loss_scale,
+            max_loss_scale=max_loss_scale,
+            hysteresis=hysteresis,
+            consecutive_hysteresis=consecutive_hysteresis,
+        ),
+    )

@@ -1,0 +1,218 @@
+"""Optax transformations for global loss scaling: unscale, skip, and the loss side.
+
+Intended usage (all in one ``jax.jit``)::
+
+    tx = optax.chain(adaloss_jax.unscale(adaloss_jax.dynamic()),
+                     adaloss_jax.skip_nonfinite(optax.adamw(1e-3)))
+    loss, grads = adaloss_jax.value_and_grad(loss_fn)(opt_state, params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+    params = optax.apply_updates(params, updates)
+
+Why two pieces and not ``optax.chain(unscale(...), optax.adamw(...))``: a transformation
+in a chain cannot stop the ones after it from updating their state, and AdamW fed zeros
+still decays its moments and counts the step. So ``unscale`` decides (finiteness of the
+unscaled gradients and of the loss, reduced across ``axis_name``), updates the scale
+state, and on a skipped step hands on NaN updates; ``skip_nonfinite`` around the inner
+optimizer sees them and keeps the inner state and the parameters unchanged. Because the
+decision travels in the updates, every device makes the same one without a second
+collective. Forgetting ``skip_nonfinite`` is loud (NaN parameters), never silent.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from adaloss_jax import _policies
+from adaloss_jax._policies import LossScaleState
+
+
+def all_finite(tree: Any, *, axis_name: str | None = None) -> jax.Array:
+    """True iff every element of every leaf is finite (on every device of ``axis_name``).
+
+    Under ``shard_map``/``pmap`` pass ``axis_name`` so all devices agree; under SPMD
+    ``jit`` the arrays are global and nothing extra is needed.
+    """
+    leaves = jax.tree_util.tree_leaves(tree)
+    ok = jnp.asarray(True)
+    for leaf in leaves:
+        ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(leaf)))
+    if axis_name is not None:
+        ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
+    return ok
+
+
+def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
+    """Branch-free ``on_true if pred else on_false`` over matching pytrees."""
+    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
+
+
+def _to_fp32(g: jax.Array) -> jax.Array:
+    # Unscaling in fp16 would flush exactly the small values scaling protected.
+    return g.astype(jnp.promote_types(g.dtype, jnp.float32))
+
+
+def unscale(
+    policy: _policies.LossScalePolicy, *, axis_name: str | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """Unscales gradients, checks finiteness and updates the loss scale.
+
+    Per step, with ``s = state.loss_scale``::
+
+        updates = fp32(grads) / s
+        loss_finite = isfinite(loss)            # True when no loss= is passed
+        applied = all_finite(updates) and loss_finite   # reduced over axis_name
+        state = policy.adjust(state, all_finite(updates), loss_finite)
+        if not applied: updates = NaN everywhere (the skip signal for skip_nonfinite)
+
+    Pass the unscaled loss as ``tx.update(..., loss=loss)``: a non-finite loss (the
+    forward pass overflowed) then skips the step without backing the scale off, since a
+    smaller scale cannot fix the forward pass. Without ``loss=`` such a step is treated
+    as a gradient overflow.
+
+    Warning: place :func:`skip_nonfinite` (or ``optax.apply_if_finite``) around the
+    transformations after this one, or a skipped step poisons them with NaN.
+
+    Args:
+      policy: a policy from :func:`dynamic`, :func:`static` or :func:`no_scaling`.
+      axis_name: mapped axis to agree on finiteness across (``shard_map``/``pmap``).
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`LossScaleState`.
+
+    >>> import optax
+    >>> tx = optax.chain(unscale(_policies.static(4.0)), skip_nonfinite(optax.sgd(1.0)))
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> updates, state = tx.update({"w": jnp.array([4.0, 8.0])}, state, loss=jnp.array(1.0))
+    >>> updates["w"].tolist(), bool(scale_state(state).last_applied)
+    ([-1.0, -2.0], True)
+    """
+    if not isinstance(policy, _policies.NoLossScale | _policies.StaticLossScale |
+                      _policies.DynamicLossScale):
+        raise TypeError(
+            f"policy must be a loss-scale policy from adaloss_jax.dynamic(), static() or "
+            f"no_scaling(), got {policy!r} of type {type(policy).__name__}"
+        )
+
+    def init_fn(params):
+        del params
+        return policy.init()
+
+    def update_fn(updates, state, params=None, *, loss=None, **extra_args):
+        del params, extra_args
+        inv = 1.0 / state.loss_scale
+        updates = jax.tree_util.tree_map(lambda g: _to_fp32(g) * inv, updates)
+        grads_finite = all_finite(updates, axis_name=axis_name)
+        if loss is None:
+            loss_finite = jnp.asarray(True)
+        else:
+            loss_finite = all_finite(loss, axis_name=axis_name)
+        new_state = policy.adjust(state, grads_finite, loss_finite)
+        nan = jnp.asarray(jnp.nan, jnp.float32)
+        updates = jax.tree_util.tree_map(
+            lambda g: jnp.where(new_state.last_applied, g, nan.astype(g.dtype)), updates
+        )
+        return updates, new_state
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+class SkipNonFiniteState(NamedTuple):
+    """State of :func:`skip_nonfinite`: the wrapped transformation's state."""
+
+    inner_state: Any
+
+
+def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
+    """Applies ``inner`` only when the incoming updates are all finite.
+
+    On a non-finite step the outgoing updates are zeros and ``inner``'s state is kept
+    as it was (selected branch-free, so it is jit- and GPU-friendly). Unlike
+    ``optax.apply_if_finite`` it never gives up after a number of failures; the
+    counters live in :func:`unscale`'s state.
+    """
+    inner = optax.with_extra_args_support(inner)
+
+    def init_fn(params):
+        return SkipNonFiniteState(inner.init(params))
+
+    def update_fn(updates, state, params=None, **extra_args):
+        ok = all_finite(updates)
+        safe = jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), updates)
+        new_updates, new_inner = inner.update(safe, state.inner_state, params, **extra_args)
+        new_updates = jax.tree_util.tree_map(
+            lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates
+        )
+        return new_updates, SkipNonFiniteState(select_tree(ok, new_inner, state.inner_state))
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def loss_scaled(
+    inner: optax.GradientTransformation,
+    policy: _policies.LossScalePolicy,
+    *,
+    axis_name: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.chain(unscale(policy, axis_name=...), skip_nonfinite(inner))``."""
+    return optax.chain(unscale(policy, axis_name=axis_name), skip_nonfinite(inner))
+
+
+def scale_state(opt_state: Any) -> LossScaleState:
+    """Finds the one :class:`LossScaleState` inside an optimizer state.
+
+    Accepts a bare ``LossScaleState`` too. Raises ``ValueError`` if there is none or
+    more than one.
+    """
+    found = [
+        x
+        for x in jax.tree_util.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, LossScaleState)
+        )
+        if isinstance(x, LossScaleState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected exactly one LossScaleState in the optimizer state, found {len(found)}; "
+            f"build the optimizer with optax.chain(adaloss_jax.unscale(...), "
+            f"adaloss_jax.skip_nonfinite(inner)) and pass its state"
+        )
+    return found[0]
+
+
+def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
+    """``fp32(loss) * loss_scale``: what to differentiate instead of the loss."""
+    return _to_fp32(jnp.asarray(loss)) * scale_state(opt_state).loss_scale
+
+
+def value_and_grad(
+    fun: Callable[..., Any],
+    argnums: int | Sequence[int] = 0,
+    has_aux: bool = False,
+) -> Callable[..., tuple[Any, Any]]:
+    """Like ``jax.value_and_grad``, with the loss scaled by the optimizer state's scale.
+
+    Returns ``g(opt_state, *args) -> (value, grads)`` where ``value`` is the *unscaled*
+    loss (or ``(loss, aux)``) and ``grads`` are the *scaled* gradients that
+    :func:`unscale` expects.
+    """
+
+    def wrapped(opt_state, *args, **kwargs):
+        scale = scale_state(opt_state).loss_scale
+
+        def scaled(*a, **k):
+            out = fun(*a, **k)
+            loss, aux = out if has_aux else (out, None)
+            return _to_fp32(jnp.asarray(loss)) * scale, (loss, aux)
+
+        (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(
+            *args, **kwargs
+        )
+        return ((loss, aux) if has_aux else loss), grads
+
+    return wrapped

@@ -1,0 +1,92 @@
+"""Flax linen ``TrainState`` with loss scaling."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import jax.numpy as jnp
+import optax
+from flax.training import train_state
+
+from adaloss_jax import _policies, _transforms
+
+
+class TrainState(train_state.TrainState):
+    """``flax.training.train_state.TrainState`` whose optimizer does loss scaling.
+
+    Build it with ``TrainState.create(apply_fn=..., params=..., tx=optax.adamw(1e-3),
+    policy=adaloss_jax.dynamic())``: ``tx`` is wrapped as
+    ``loss_scaled(tx, policy)``. Pass ``policy=None`` when ``tx`` already contains
+    :func:`adaloss_jax.unscale`.
+
+    ``apply_gradients(grads=scaled_grads, loss=loss)`` unscales, checks finiteness,
+    updates the scale and applies the update only when it is finite; ``step`` counts
+    every call, ``loss_scale_state.total_applied`` the applied ones.
+    """
+
+    @classmethod
+    def create(cls, *, apply_fn, params, tx, policy=None, axis_name=None, **kwargs):
+        if policy is not None:
+            tx = _transforms.loss_scaled(tx, policy, axis_name=axis_name)
+        elif axis_name is not None:
+            raise ValueError(
+                "axis_name is only used together with policy=...; when tx already contains "
+                "adaloss_jax.unscale, pass axis_name to unscale() instead"
+            )
+        state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+        _transforms.scale_state(state.opt_state)  # fail now if tx has no unscale()
+        return state
+
+    @property
+    def loss_scale_state(self) -> _policies.LossScaleState:
+        return _transforms.scale_state(self.opt_state)
+
+    def apply_gradients(self, *, grads, loss=None, **kwargs):
+        """Applies *scaled* gradients; pass the unscaled ``loss`` to tell a forward
+        overflow (skip, keep the scale) from a gradient overflow (skip, back off)."""
+        updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params, loss=loss)
+        return self.replace(
+            step=self.step + 1,
+            params=optax.apply_updates(self.params, updates),
+            opt_state=new_opt_state,
+            **kwargs,
+        )
+
+
+def train_step(
+    state: TrainState,
+    loss_fn: Callable[..., Any],
+    *args,
+    has_aux: bool = False,
+    **kwargs,
+) -> tuple[TrainState, dict[str, Any]]:
+    """One loss-scaled step: scale -> grad -> unscale -> finite check -> update.
+
+    ``loss_fn(params, *args, **kwargs)`` returns the loss (or ``(loss, aux)`` with
+    ``has_aux``). Call it inside your ``jax.jit``::
+
+        @jax.jit
+        def step(state, batch):
+            return adaloss_jax.flax.train_step(state, loss_fn, batch)
+
+    Returns the new state and metrics: ``loss`` (unscaled), ``applied`` (bool),
+    ``loss_scale`` (the scale used for this step) and ``aux`` when ``has_aux``.
+    """
+    scale_used = state.loss_scale_state.loss_scale
+    value, grads = _transforms.value_and_grad(loss_fn, has_aux=has_aux)(
+        state.opt_state, state.params, *args, **kwargs
+    )
+    loss, aux = value if has_aux else (value, None)
+    state = state.apply_gradients(grads=grads, loss=jnp.asarray(loss))
+    metrics = {
+        "loss": loss,
+        "applied": state.loss_scale_state.last_applied,
+        "loss_scale": scale_used,
+    }
+    if has_aux:
+        metrics["aux"] = aux
+    return state, metrics
+
+
+__all__ = ["TrainState", "train_step"]

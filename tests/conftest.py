@@ -1,0 +1,16 @@
+"""Test set-up: 8 CPU devices for the sharding tests, seeded randomness."""
+
+import os
+
+# Must happen before jax initialises its backends.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import numpy as np  # noqa: E402
+import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _seed():
+    np.random.seed(0)
+    yield

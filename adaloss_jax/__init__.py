@@ -1,5 +1,16 @@
 """adaloss_jax: loss scaling for fp16/fp8 mixed-precision training in JAX."""
 
+from adaloss_jax._adaptive import (
+    AdaptiveScale,
+    AdaptiveScaleState,
+    adaptive,
+    adaptive_state,
+    adaptive_unscale,
+    adaptive_value_and_grad,
+    param_groups,
+    scale_table,
+)
+from adaloss_jax._checkpoint import load_state, save_state
 from adaloss_jax._formats import (
     BFLOAT16,
     FLOAT8_E4M3,
@@ -35,6 +46,14 @@ from adaloss_jax._transforms import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "AdaptiveScale",
+    "AdaptiveScaleState",
+    "adaptive",
+    "adaptive_state",
+    "adaptive_unscale",
+    "adaptive_value_and_grad",
+    "param_groups",
+    "scale_table",
     "BFLOAT16",
     "FLOAT16",
     "FLOAT32",
@@ -51,8 +70,10 @@ __all__ = [
     "all_finite",
     "dynamic",
     "float_format",
+    "load_state",
     "loss_scaled",
     "no_scaling",
+    "save_state",
     "scale_loss",
     "scale_state",
     "select_tree",

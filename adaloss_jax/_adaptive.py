@@ -1,0 +1,498 @@
+"""Adaptive per-layer loss scaling (Zhao et al., arXiv 1910.12385) for Flax linen models.
+
+How it works (all inside one ``jax.jit``):
+
+* **Scale groups** are the modules that own parameters (keyed by module path, e.g.
+  ``"Block_0/attn"``), plus the root ``""`` whose scale multiplies the loss. Each group
+  ``k`` has a power-of-two scale ``S_k = 2**s_k`` kept in fp32 in
+  :class:`AdaptiveScaleState`.
+* **Scale points** are ``custom_vjp`` identities that ``flax.linen.intercept_methods``
+  puts around every call of a selected module, without changing the model. In the
+  backward pass, a cotangent entering module ``k`` (at its parent's scale ``S_p``) is
+  multiplied by ``S_k / S_p``; a cotangent leaving it through the module's inputs is
+  multiplied by ``S_p / S_k``. So every module's internals run at their own scale and
+  everything outside it is back at the parent's scale: cotangents that autodiff sums
+  (residuals, q/k/v from one input, a module applied twice, a tied embedding used as
+  the output head) always meet at one scale, for any graph. Parameters are keyed by
+  the module that owns them, so a tied or reused module's gradient contributions are
+  all at that module's scale.
+* **Statistics** (amax, sum of squares, count and non-finite count of each cotangent at
+  the scale points) are returned by the backward pass as the cotangents of zero
+  "dummy" inputs, so ``jax.value_and_grad`` hands them out with no side effects.
+* :func:`adaptive_unscale` unscales each parameter leaf by its own group's scale (in
+  fp32), checks finiteness, skips exactly as :func:`adaloss_jax.unscale` does, and sets
+  each group's next scale from this step's statistics::
+
+        amax_k = max(amax of k's scaled cotangents and parameter gradients) / S_k
+        s_k    = floor(log2(u_max) - margin - log2(amax_k))           # "amax"
+        s_k    = min(s_k, floor(log2(u_min / (sqrt(2) erfinv(T) sigma_k))))  # "gaussian"
+        s_k    = s_k - backoff * 2**n if group k overflowed (its statistics are not finite)
+                                      after n consecutive skipped steps (n capped at 4)
+        s_k    = s_k + blind_jump     if nothing was measured (all of it flushed to zero);
+                 blind_jump = floor(log2(u_max) - margin - log2(u_min) - 1), which cannot
+                 overflow what was below u_min / 2 (34 binades for fp16)
+        s_k    = clip(s_k, log2(min_scale), log2(max_scale))
+
+  The scales used in a step are therefore one step old (delayed scaling, as Transformer
+  Engine's amax history). That is required for correctness: a module applied twice must
+  use the same scale in both backward passes, which a scale computed inside each
+  backward pass cannot guarantee. ``margin`` covers the staleness. An overflow skips
+  the step and backs off the groups that saw non-finite values: the one that overflowed
+  and those upstream that its non-finite cotangents reached (the groups nearer the loss
+  are untouched); the next step's statistics set them all again.
+
+``groups="global"`` is the same method with one group: every scale point measures at
+the root scale (ratio 1), giving one statistics-driven global scale, the baseline that
+isolates what per-layer scales add.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import math
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+from jax.scipy.special import erfinv
+
+from adaloss_jax import _formats, _policies, _transforms, _validation
+from adaloss_jax._policies import LossScaleState
+
+ROOT = ""
+# Statistics rows: 0 = where the cotangent enters a module (its output), 1 = where it
+# leaves (its inputs). Columns:
+_AMAX, _SUMSQ, _COUNT, _NONFINITE = range(4)
+_NSTATS = 4
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveScale:
+    """Configuration of adaptive per-layer loss scaling.
+
+    Attributes:
+      statistic: ``"amax"`` (largest scale that keeps each group ``margin`` binades below
+        overflow) or ``"gaussian"`` (the reference's rule: the smallest scale that keeps
+        the underflow share of a zero-mean normal model under ``threshold``, capped by
+        the amax rule).
+      threshold: ``T``, the tolerated underflow share for ``"gaussian"``.
+      margin: binades kept free below the format's max (headroom for a one-step-old scale).
+      grad_dtype: the format cotangents are stored in (``u_min``/``u_max`` come from it).
+      groups: ``"module"`` (one scale per parameter-owning module) or ``"global"`` (one
+        statistics-driven scale for everything).
+      initial_scale: scale of every group before the first statistics.
+      min_scale / max_scale: bounds, powers of two.
+      backoff: binades a group backs off by when its cotangents or gradients overflow.
+      filter: ``(module_path: tuple[str, ...], module) -> bool``; modules it rejects get
+        no scale point and run at their parent's scale. Default: every module that owns
+        parameters.
+    """
+
+    statistic: str = "amax"
+    threshold: float = 1e-3
+    margin: int = 4
+    grad_dtype: Any = "float16"
+    groups: str = "module"
+    initial_scale: float = 1.0
+    min_scale: float = 2.0**-24
+    max_scale: float = 2.0**64
+    backoff: int = 4
+    filter: Callable[[tuple[str, ...], Any], bool] | None = None
+
+    def __post_init__(self):
+        if self.statistic not in ("amax", "gaussian"):
+            raise ValueError(
+                f"statistic={self.statistic!r} is not known; pass 'amax' or 'gaussian'"
+            )
+        if self.groups not in ("module", "global"):
+            raise ValueError(f"groups={self.groups!r} is not known; pass 'module' or 'global'")
+        t = _validation.check_positive_finite("threshold", self.threshold)
+        if t >= 1:
+            raise ValueError(f"threshold must be in (0, 1), got {self.threshold!r}; pass 1e-3")
+        _validation.check_int("margin", self.margin, minimum=0)
+        _validation.check_int("backoff", self.backoff, minimum=1)
+        _validation.check_power_of_two("initial_scale", self.initial_scale)
+        _validation.check_power_of_two("min_scale", self.min_scale)
+        _validation.check_power_of_two("max_scale", self.max_scale)
+        if not self.min_scale <= self.initial_scale <= self.max_scale:
+            raise ValueError(
+                f"initial_scale={self.initial_scale!r} must lie in [min_scale, max_scale] = "
+                f"[{self.min_scale!r}, {self.max_scale!r}]"
+            )
+        fmt = _formats.float_format(self.grad_dtype, argname="grad_dtype")
+        if not fmt.needs_scaling:
+            raise ValueError(
+                f"grad_dtype={fmt.name} has fp32's exponent range and needs no loss scaling; "
+                f"use adaloss_jax.no_scaling() (or bf16 without a scaler)"
+            )
+        if self.filter is not None and not callable(self.filter):
+            raise TypeError(
+                f"filter must be a callable (module_path, module) -> bool, got {self.filter!r}"
+            )
+
+    @property
+    def format(self) -> _formats.FloatFormat:
+        return _formats.float_format(self.grad_dtype)
+
+    def group_of(self, module_path: tuple[str, ...]) -> str:
+        return ROOT if self.groups == "global" else "/".join(module_path)
+
+
+def adaptive(**kwargs) -> AdaptiveScale:
+    """Builds an :class:`AdaptiveScale` (keyword arguments as its attributes).
+
+    >>> adaptive(statistic="gaussian", threshold=1e-3).margin
+    4
+    """
+    return AdaptiveScale(**kwargs)
+
+
+class AdaptiveScaleState(NamedTuple):
+    """State of :func:`adaptive_unscale`.
+
+    Attributes:
+      base: a :class:`LossScaleState`: ``loss_scale`` is the root scale (the one the loss
+        is multiplied by) and its counters count applied and skipped steps exactly as the
+        global scalers do.
+      log2_scales: ``{group: fp32 scalar}``, ``s_k`` of each group.
+      log2_amax: ``{group: fp32 scalar}``, ``log2`` of the group's unit-scale amax at the
+        last step (``-inf`` when nothing was measured).
+      overflowed: ``{group: bool}``, whether the group was non-finite at the last step.
+    """
+
+    base: LossScaleState
+    log2_scales: dict
+    log2_amax: dict
+    overflowed: dict
+
+
+# --------------------------------------------------------------------------- groups
+
+
+def _key_name(k) -> str:
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
+def _strip_collection(path: tuple[str, ...]) -> tuple[str, ...]:
+    return path[1:] if path and path[0] == "params" else path
+
+
+def _leaf_paths(tree) -> list[tuple[str, ...]]:
+    flat, _ = jax.tree_util.tree_flatten_with_path(tree)
+    return [_strip_collection(tuple(_key_name(k) for k in p)) for p, _ in flat]
+
+
+def param_groups(params, scaler: AdaptiveScale) -> list[str]:
+    """The scale groups of a parameter tree: the root and every module owning parameters."""
+    groups = {ROOT}
+    for path in _leaf_paths(params):
+        owner = path[:-1]
+        for i in range(1, len(owner) + 1):
+            groups.add(scaler.group_of(owner[:i]))
+    return sorted(groups)
+
+
+def _leaf_group(path: tuple[str, ...], active: set[str], scaler: AdaptiveScale) -> str:
+    owner = path[:-1]
+    for i in range(len(owner), 0, -1):
+        g = scaler.group_of(owner[:i])
+        if g in active:
+            return g
+    return ROOT
+
+
+# ----------------------------------------------------------------------- scale points
+
+
+def _stats(cts: tuple[jax.Array, ...]) -> jax.Array:
+    amax = jnp.zeros((), jnp.float32)
+    sumsq = jnp.zeros((), jnp.float32)
+    count = jnp.zeros((), jnp.float32)
+    bad = jnp.zeros((), jnp.float32)
+    for ct in cts:
+        c = ct.astype(jnp.float32)
+        finite = jnp.isfinite(c)
+        c0 = jnp.where(finite, c, 0.0)
+        amax = jnp.maximum(amax, jnp.max(jnp.abs(c0), initial=0.0))
+        sumsq = sumsq + jnp.sum(c0 * c0)
+        count = count + c.size
+        bad = bad + jnp.sum(~finite).astype(jnp.float32)
+    return jnp.stack([amax, sumsq, count, bad])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def _scale_point(row: int, xs: tuple, ratio: jax.Array, dummy: jax.Array):
+    """Identity on ``xs``; backward multiplies the cotangents by ``ratio`` and returns
+    their statistics (measured at the module's scale) as ``dummy``'s cotangent."""
+    del ratio, dummy
+    return xs
+
+
+def _scale_point_fwd(row, xs, ratio, dummy):
+    del dummy
+    return xs, ratio
+
+
+def _scale_point_bwd(row, ratio, cts):
+    converted = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
+    # Row 0 measures after entering the module's scale, row 1 before leaving it.
+    measured = converted if row == 0 else cts
+    stats = jnp.zeros((2, _NSTATS), jnp.float32).at[row].set(_stats(measured))
+    return converted, jnp.zeros_like(ratio), stats
+
+
+_scale_point.defvjp(_scale_point_fwd, _scale_point_bwd)
+
+
+def _is_float(x) -> bool:
+    return isinstance(x, jax.Array | jnp.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
+
+
+def _apply_point(tree, row: int, ratio, dummy):
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
+    idx = [i for i, x in enumerate(leaves) if _is_float(x)]
+    if not idx:
+        return tree
+    out = _scale_point(row, tuple(leaves[i] for i in idx), ratio, dummy)
+    leaves = list(leaves)
+    for i, x in zip(idx, out):
+        leaves[i] = x
+    return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+class _Interceptor:
+    """Puts scale points around module calls; records the groups it used (trace time)."""
+
+    def __init__(self, scaler, log2_scales, dummies):
+        self.scaler = scaler
+        self.log2 = log2_scales
+        self.dummies = dummies
+        self.stack: list[tuple[str, tuple[str, ...]]] = []  # (group, module path)
+        self.used: set[str] = set()
+
+    def __call__(self, next_fun, args, kwargs, context):
+        module = context.module
+        if context.method_name == "setup" or module.scope is None:
+            return next_fun(*args, **kwargs)
+        path = tuple(module.scope.path)
+        group = self.scaler.group_of(path)
+        parent = self.stack[-1][0] if self.stack else ROOT
+        reentrant = bool(self.stack) and self.stack[-1][1] == path
+        selected = group in self.log2 and (
+            self.scaler.filter is None or self.scaler.filter(path, module)
+        )
+        if reentrant or not selected:
+            return next_fun(*args, **kwargs)
+        self.used.add(group)
+        into = jnp.exp2(self.log2[group] - self.log2[parent])
+        back = jnp.exp2(self.log2[parent] - self.log2[group])
+        dummy = self.dummies[group]
+        args, kwargs = _apply_point((args, kwargs), 1, back, dummy)
+        self.stack.append((group, path))
+        try:
+            out = next_fun(*args, **kwargs)
+        finally:
+            self.stack.pop()
+        return _apply_point(out, 0, into, dummy)
+
+
+def adaptive_state(opt_state: Any) -> AdaptiveScaleState:
+    """Finds the one :class:`AdaptiveScaleState` inside an optimizer state."""
+    found = [
+        x
+        for x in jax.tree_util.tree_leaves(
+            opt_state, is_leaf=lambda x: isinstance(x, AdaptiveScaleState)
+        )
+        if isinstance(x, AdaptiveScaleState)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected exactly one AdaptiveScaleState in the optimizer state, found "
+            f"{len(found)}; build the optimizer with optax.chain(adaloss_jax.adaptive_unscale("
+            f"scaler), adaloss_jax.skip_nonfinite(inner))"
+        )
+    return found[0]
+
+
+def _check_scaler(scaler) -> None:
+    if not isinstance(scaler, AdaptiveScale):
+        raise TypeError(
+            f"scaler must be an AdaptiveScale from adaloss_jax.adaptive(), got {scaler!r} "
+            f"of type {type(scaler).__name__}"
+        )
+
+
+def adaptive_value_and_grad(
+    fun: Callable[..., Any], scaler: AdaptiveScale, has_aux: bool = False
+) -> Callable[..., tuple[Any, Any, dict]]:
+    """Like ``jax.value_and_grad(fun)`` with per-module scale points inserted.
+
+    ``fun(params, *args, **kwargs)`` must call the linen model's ``apply`` (any number of
+    times). Returns ``g(opt_state, params, *args, **kwargs) -> (value, grads, stats)``:
+    the unscaled loss (or ``(loss, aux)``), the *scaled* parameter gradients and the
+    per-group statistics; pass both to the optimizer as
+    ``tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)``.
+    """
+    _check_scaler(scaler)
+
+    def wrapped(opt_state, params, *args, **kwargs):
+        state = adaptive_state(opt_state)
+        log2 = state.log2_scales
+        dummies = {g: jnp.zeros((2, _NSTATS), jnp.float32) for g in log2}
+        used: set[str] = set()
+
+        def scaled(params, dummies):
+            icpt = _Interceptor(scaler, log2, dummies)
+            with nn.intercept_methods(icpt):
+                out = fun(params, *args, **kwargs)
+            used.update(icpt.used)
+            loss, aux = out if has_aux else (out, None)
+            loss32 = jnp.asarray(loss).astype(jnp.float32)
+            return loss32 * jnp.exp2(log2[ROOT]), (loss, aux)
+
+        (_, (loss, aux)), (grads, stats) = jax.value_and_grad(
+            scaled, argnums=(0, 1), has_aux=True
+        )(params, dummies)
+        stats = {g: stats[g] for g in sorted(used | {ROOT})}
+        return ((loss, aux) if has_aux else loss), grads, stats
+
+    return wrapped
+
+
+# ------------------------------------------------------------------------- optax side
+
+
+def _reduce(x, op, axis_name):
+    return x if axis_name is None else op(x, axis_name)
+
+
+def adaptive_unscale(
+    scaler: AdaptiveScale, *, axis_name: str | None = None
+) -> optax.GradientTransformationExtraArgs:
+    """Unscales each parameter leaf by its own group's scale and updates the scales.
+
+    Use as ``optax.chain(adaptive_unscale(scaler), skip_nonfinite(inner))`` and call
+    ``tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)`` with the
+    outputs of :func:`adaptive_value_and_grad`. Skips are decided and signalled exactly
+    as in :func:`adaloss_jax.unscale`; the scale rule is in this module's docstring.
+    Without ``scale_stats`` only the root group is active (every leaf at the root scale).
+    """
+    _check_scaler(scaler)
+    fmt = scaler.format
+    log2_max = math.log2(fmt.max)
+    lo, hi = math.log2(scaler.min_scale), math.log2(scaler.max_scale)
+    s0 = math.log2(scaler.initial_scale)
+    blind_jump = math.floor(log2_max - scaler.margin - math.log2(fmt.min_subnormal) - 1)
+    # -log2(sqrt(2) * erfinv(T)) + log2(u_min): the gaussian rule's constant part.
+    gauss_c = math.log2(fmt.min_subnormal) - math.log2(
+        math.sqrt(2.0) * float(erfinv(jnp.float32(scaler.threshold)))
+    )
+
+    def init_fn(params):
+        groups = param_groups(params, scaler)
+        f32 = lambda v: jnp.asarray(v, jnp.float32)
+        return AdaptiveScaleState(
+            base=_policies._initial_state(scaler.initial_scale, 1),
+            log2_scales={g: f32(s0) for g in groups},
+            log2_amax={g: f32(-jnp.inf) for g in groups},
+            overflowed={g: jnp.asarray(False) for g in groups},
+        )
+
+    def update_fn(updates, state, params=None, *, loss=None, scale_stats=None, **extra):
+        del params, extra
+        log2 = state.log2_scales
+        stats = {} if scale_stats is None else dict(scale_stats)
+        unknown = sorted(set(stats) - set(log2))
+        if unknown:
+            raise ValueError(
+                f"scale_stats has groups {unknown[:5]} that this optimizer state does not know "
+                f"(state groups: {sorted(log2)[:8]}...); the state was built for another model: "
+                f"re-run tx.init(params) for this one"
+            )
+        active = set(stats) | {ROOT}
+        paths = _leaf_paths(updates)
+        leaves, treedef = jax.tree_util.tree_flatten(updates)
+        leaf_groups = [_leaf_group(p, active, scaler) for p in paths]
+        missing = sorted({g for g in leaf_groups if g not in log2})
+        if missing:
+            raise ValueError(
+                f"gradient leaves belong to groups {missing[:5]} unknown to the optimizer state; "
+                f"the state was built for another parameter tree: re-run tx.init(params)"
+            )
+
+        # Per-group amax (at the group's scale) and overflow of the parameter gradients.
+        p_amax = {g: jnp.zeros((), jnp.float32) for g in active}
+        p_bad = {g: jnp.asarray(False) for g in active}
+        out = []
+        for g, leaf in zip(leaf_groups, leaves):
+            x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
+            finite = jnp.isfinite(x)
+            p_amax[g] = jnp.maximum(p_amax[g], jnp.max(jnp.where(finite, jnp.abs(x), 0.0),
+                                                       initial=0.0))
+            p_bad[g] = p_bad[g] | ~jnp.all(finite)
+            out.append(x * jnp.exp2(-log2[g]))
+        updates = jax.tree_util.tree_unflatten(treedef, out)
+
+        new_log2, new_amax, new_bad = dict(log2), dict(state.log2_amax), dict(state.overflowed)
+        # Consecutive overflows back off exponentially harder: backoff * 2**skips_in_a_row.
+        drop = scaler.backoff * jnp.exp2(jnp.minimum(state.base.notfinite_count, 4))
+        grads_finite = jnp.asarray(True)
+        for g in active:
+            st = stats.get(g, jnp.zeros((2, _NSTATS), jnp.float32))
+            amax = _reduce(jnp.maximum(jnp.max(st[:, _AMAX]), p_amax[g]), jax.lax.pmax, axis_name)
+            bad = (jnp.sum(st[:, _NONFINITE]) > 0) | p_bad[g]
+            bad = _reduce(bad.astype(jnp.int32), jax.lax.pmax, axis_name) > 0
+            grads_finite = grads_finite & ~bad
+            unit_log2_amax = jnp.log2(amax) - log2[g]  # -inf when nothing measured
+            target = jnp.floor(log2_max - scaler.margin - unit_log2_amax)
+            if scaler.statistic == "gaussian":
+                sumsq = _reduce(st[0, _SUMSQ], jax.lax.psum, axis_name)
+                count = _reduce(st[0, _COUNT], jax.lax.psum, axis_name)
+                unit_log2_sigma = 0.5 * jnp.log2(sumsq / jnp.maximum(count, 1.0)) - log2[g]
+                under = jnp.floor(gauss_c - unit_log2_sigma)
+                target = jnp.where(sumsq > 0, jnp.minimum(target, under), target)
+            # amax == 0: everything flushed (or no gradient at all). Every value was below
+            # u_min / 2, so jumping by `blind_jump` binades still cannot overflow.
+            grown = log2[g] + blind_jump
+            nxt = jnp.where(bad, log2[g] - drop, jnp.where(amax > 0, target, grown))
+            new_log2[g] = jnp.clip(nxt, lo, hi).astype(jnp.float32)
+            new_amax[g] = jnp.where(bad, new_amax[g], unit_log2_amax).astype(jnp.float32)
+            new_bad[g] = bad
+
+        loss_finite = (
+            jnp.asarray(True) if loss is None else _transforms.all_finite(loss, axis_name=axis_name)
+        )
+        # A non-finite loss (forward overflow) is no reason to move any scale.
+        new_log2 = {
+            g: jnp.where(loss_finite, v, log2[g]) for g, v in new_log2.items()
+        }
+        base = _policies._count(state.base, grads_finite, loss_finite)
+        base = base._replace(loss_scale=jnp.exp2(new_log2[ROOT]).astype(jnp.float32))
+        applied = base.last_applied
+        nan = jnp.asarray(jnp.nan, jnp.float32)
+        updates = jax.tree_util.tree_map(
+            lambda u: jnp.where(applied, u, nan.astype(u.dtype)), updates
+        )
+        return updates, AdaptiveScaleState(base, new_log2, new_amax, new_bad)
+
+    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def scale_table(opt_state: Any) -> str:
+    """The per-group scales and last statistics as a text table (call outside jit)."""
+    st = adaptive_state(opt_state)
+    lines = [f"{'group':<40} {'log2 scale':>10} {'log2 unit amax':>15} {'overflowed':>10}"]
+    for g in sorted(st.log2_scales):
+        amax = float(st.log2_amax[g])
+        lines.append(
+            f"{(g or '(root)'):<40} {float(st.log2_scales[g]):>10.0f} "
+            f"{amax:>15.1f} {bool(st.overflowed[g])!s:>10}"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,41 @@
+"""Numerics toolkit: underflow/overflow probes and simulated fp8 cotangents.
+
+See DESIGN.md section 4 for the definitions measured here.
+"""
+
+from adaloss_jax.numerics._fp8 import amax_scale, fp8_cotangents, quantize_cotangent
+from adaloss_jax.numerics._probe import (
+    Probe,
+    ProbeGrads,
+    compare,
+    linen_grads,
+    linen_probe,
+    loss_scale_of,
+    make_probe,
+    nnx_probe,
+)
+from adaloss_jax.numerics._stats import STAT_NAMES, tensor_stats
+from adaloss_jax.numerics._table import DEFAULT_COLUMNS, ProbeRow, format_table, rows_as_dicts
+from adaloss_jax.numerics._taps import linen_taps, nnx_taps
+
+__all__ = [
+    "DEFAULT_COLUMNS",
+    "STAT_NAMES",
+    "Probe",
+    "ProbeGrads",
+    "ProbeRow",
+    "amax_scale",
+    "compare",
+    "format_table",
+    "fp8_cotangents",
+    "linen_grads",
+    "linen_probe",
+    "linen_taps",
+    "loss_scale_of",
+    "make_probe",
+    "nnx_probe",
+    "nnx_taps",
+    "quantize_cotangent",
+    "rows_as_dicts",
+    "tensor_stats",
+]

@@ -1,0 +1,300 @@
+"""Adaptive per-layer loss scaling: fan-in correctness, fp16 accuracy, skips, update rule."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from _models import (
+    MLP,
+    CNNBatchNorm,
+    RecurrentCell,
+    ResNet,
+    TinyGPT,
+    UNet,
+    classification_loss,
+)
+
+import adaloss_jax as alj
+
+VEC = (np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32), np.array([0, 1, 2, 3]))
+IMG = (
+    np.random.default_rng(1).normal(size=(4, 8, 8, 1)).astype(np.float32),
+    np.array([0, 1, 2, 3]),
+)
+_tok = np.random.default_rng(2).integers(0, 256, size=(2, 9))
+TOK = (_tok[:, :-1], _tok[:, 1:])
+
+CASES = {
+    "mlp": (MLP, VEC),
+    "cnn_batchnorm": (CNNBatchNorm, IMG),
+    "resnet": (ResNet, IMG),
+    "unet_concat": (UNet, IMG),
+    "gpt_tied_reused_attention": (TinyGPT, TOK),
+    "recurrent_cell": (RecurrentCell, VEC),
+}
+
+
+def _setup(name, dtype):
+    cls, (x, y) = CASES[name]
+    model = cls(dtype=dtype)
+    variables = model.init(jax.random.key(0), jnp.asarray(x))
+    params = variables["params"]
+    others = {k: v for k, v in variables.items() if k != "params"}
+
+    def loss_fn(p, x, y):
+        loss, _ = classification_loss(model, {"params": p, **others}, x, y)
+        return loss
+
+    return model, params, loss_fn, (jnp.asarray(x), jnp.asarray(y))
+
+
+def _grads_through(scaler, loss_fn, params, batch, log2_scales=None):
+    """Unscaled gradients out of adaptive_unscale (sgd(-1) turns updates into grads)."""
+    tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
+    state = tx.init(params)
+    if log2_scales is not None:
+        ad = state[0]
+        state = (ad._replace(log2_scales={g: jnp.float32(log2_scales[g]) for g in ad.log2_scales}),
+                 state[1])
+
+    @jax.jit
+    def step(state, params, x, y):
+        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(state, params, x, y)
+        updates, state = tx.update(grads, state, params, loss=loss, scale_stats=stats)
+        return updates, state, stats
+
+    return step, state
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_fp32_model_exact_under_arbitrary_per_group_scales(name):
+    """Any power-of-two scales per group leave the fp32 gradient unchanged: cotangents of
+    different groups never meet unconverted (residuals, concat skips, tied embedding,
+    reused block, attention q/k/v fan-in, recurrent cell)."""
+    _, params, loss_fn, batch = _setup(name, jnp.float32)
+    scaler = alj.adaptive()
+    groups = alj.param_groups(params, scaler)
+    rng = np.random.default_rng(3)
+    log2 = {g: int(rng.integers(-8, 16)) for g in groups}
+    assert len(set(log2.values())) > 1
+    step, state = _grads_through(scaler, loss_fn, params, batch, log2)
+    got, new_state, stats = step(state, params, *batch)
+    ref = jax.grad(loss_fn)(params, *batch)
+    assert bool(new_state[0].base.last_applied)
+    assert len(stats) > 2  # scale points were really inserted
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-7)
+
+
+def _rel_err(a, b):
+    return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
+
+
+@pytest.mark.parametrize("name", ["mlp", "unet_concat", "gpt_tied_reused_attention"])
+def test_fp16_model_within_fp16_rounding_of_fp32(name):
+    """Per leaf, the adaptive gradient is within fp16 rounding of fp32, or no worse than
+    dynamic global scaling where the fp16 forward pass itself is the limit (the key bias
+    of attention has an exactly-zero true gradient: both give rounding noise there)."""
+    _, params, loss16, batch = _setup(name, jnp.float16)
+    _, _, loss32, _ = _setup(name, jnp.float32)
+    step, state = _grads_through(alj.adaptive(), loss16, params, batch)
+    _, state, _ = step(state, params, *batch)  # warm-up: statistics set the scales
+    got, state, _ = step(state, params, *batch)
+    assert bool(state[0].base.last_applied)
+    ref = jax.grad(loss32)(params, *batch)
+    dyn_tx = alj.loss_scaled(optax.sgd(-1.0), alj.dynamic(initial_scale=2.0**10))
+    dst = dyn_tx.init(params)
+    _, g = alj.value_and_grad(loss16)(dst, params, *batch)
+    dyn, dst = dyn_tx.update(g, dst, params)
+    assert bool(alj.scale_state(dst).last_applied)
+    leaves = zip(*(jax.tree_util.tree_leaves(t) for t in (got, dyn, ref)))
+    for a, d, r in leaves:
+        assert _rel_err(a, r) <= max(1e-2, 1.5 * _rel_err(d, r))
+
+
+def test_tiny_loss_adaptive_flushes_less_than_dynamic():
+    """Loss x 2^-28: dynamic global scaling at its initial scale flushes gradient elements
+    that adaptive scaling (after two warm-up steps) keeps."""
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    _, _, loss32, _ = _setup("mlp", jnp.float32)
+    tiny = lambda f: (lambda p, x, y: f(p, x, y) * 2.0**-28)
+    ref = jax.grad(tiny(loss32))(params, *batch)
+    step, state = _grads_through(alj.adaptive(), tiny(loss16), params, batch)
+    _, state, _ = step(state, params, *batch)  # scale 1: all flushed, blind jump
+    _, state, _ = step(state, params, *batch)  # measured: scales set from amax
+    ada, _, _ = step(state, params, *batch)
+    dyn_tx = alj.loss_scaled(optax.sgd(-1.0), alj.dynamic(initial_scale=2.0**15))
+    dst = dyn_tx.init(params)
+    _, g = alj.value_and_grad(tiny(loss16))(dst, params, *batch)
+    dyn, _ = dyn_tx.update(g, dst, params)
+
+    def flushed(tree):
+        n = sum(int(jnp.sum((r != 0) & (t == 0))) for r, t in
+                zip(jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(tree)))
+        return n / sum(int(jnp.sum(r != 0)) for r in jax.tree_util.tree_leaves(ref))
+
+    print(f"flushed: dynamic {flushed(dyn):.2%}, adaptive {flushed(ada):.2%}")
+    assert flushed(dyn) > 0.03
+    assert flushed(ada) <= 0.5 * flushed(dyn)
+
+
+def test_overflow_skips_and_backs_off_the_overflowing_path_only():
+    """Dense_1's scale is far too large: the step is skipped; Dense_1 and the groups its
+    non-finite cotangents reach (Dense_0, the root) back off; the groups nearer the loss
+    (Dense_2, Dense_3), whose backward ran before, keep measuring normally."""
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    scaler = alj.adaptive(backoff=3)
+    groups = alj.param_groups(params, scaler)
+    log2 = {g: 4 for g in groups}
+    log2["Dense_1"] = 40  # its cotangents overflow fp16
+    step, state = _grads_through(scaler, loss16, params, batch, log2)
+    updates, new, _ = step(state, params, *batch)
+    ad = new[0]
+    assert not bool(ad.base.last_applied)
+    assert int(ad.base.total_skipped) == 1
+    assert all(bool(jnp.all(u == 0)) for u in jax.tree_util.tree_leaves(updates))
+    assert float(ad.log2_scales["Dense_1"]) == 37
+    for g in ("Dense_1", "Dense_0", ""):
+        assert bool(ad.overflowed[g]), g
+        assert float(ad.log2_scales[g]) == log2[g] - 3
+    for g in ("Dense_2", "Dense_3"):
+        assert not bool(ad.overflowed[g]), g
+    # Consecutive overflows back off harder (3, then 6, then 12 binades): 40 -> 37 -> 31
+    # -> 19, where Dense_1 fits; the step after that re-measures every group.
+    skips = 1
+    while not bool(new[0].base.last_applied):
+        _, new, _ = step(new, params, *batch)
+        skips += 1
+    assert skips == 4
+    assert float(new[0].log2_scales["Dense_1"]) < 19
+    assert not any(bool(v) for v in new[0].overflowed.values())
+
+
+def test_update_rule_closed_form():
+    """Feed known statistics; the new log2 scales follow the documented formulas."""
+    params = {"params": {k: {"w": jnp.zeros((3,))} for k in "abc"}}
+    for statistic in ("amax", "gaussian"):
+        scaler = alj.adaptive(statistic=statistic, margin=4, threshold=1e-3)
+        tx = alj.adaptive_unscale(scaler)
+        state = tx.init(params)
+        s_a = 5.0
+        state = state._replace(log2_scales={**state.log2_scales, "a": jnp.float32(s_a)})
+        amax, sigma, n = 2.0**3, 2.0**-2, 64.0
+        stats = {
+            "": jnp.zeros((2, 4)),
+            "a": jnp.array([[amax, sigma**2 * n, n, 0.0], [0.0, 0.0, 0.0, 0.0]]),
+            "c": jnp.zeros((2, 4)),
+        }
+        grads = params
+        _, new = jax.jit(functools.partial(tx.update, params=None))(
+            grads, state, scale_stats=stats
+        )
+        unit_amax = math.log2(amax) - s_a
+        expect = math.floor(math.log2(65504.0) - 4 - unit_amax)
+        if statistic == "gaussian":
+            unit_sigma = math.log2(sigma) - s_a
+            y = 1e-3  # erfinv by its series, exact to ~1e-12 here
+            erfinv = math.sqrt(math.pi) / 2 * (y + math.pi * y**3 / 12)
+            t = math.sqrt(2) * erfinv
+            assert abs(2.0**-24 / t - 4.76e-5) < 1e-7  # DESIGN.md: ~4.79e-5 / sigma
+            expect = min(expect, math.floor(math.log2(2.0**-24 / t) - unit_sigma))
+        assert float(new.log2_scales["a"]) == expect, statistic
+        # "c" was intercepted but everything flushed: the blind jump, 34 binades for fp16
+        # with margin 4: floor(log2(65504) - 4 + 24 - 1).
+        assert float(new.log2_scales["c"]) == float(state.log2_scales["c"]) + 34
+        # "b" was not intercepted (no statistics): its parameters ran at the root scale
+        # and its own scale is left alone.
+        assert float(new.log2_scales["b"]) == float(state.log2_scales["b"])
+
+
+def test_global_mode_has_one_group_and_matches_fp32():
+    _, params, loss32, batch = _setup("resnet", jnp.float32)
+    scaler = alj.adaptive(groups="global")
+    assert alj.param_groups(params, scaler) == [""]
+    step, state = _grads_through(scaler, loss32, params, batch, {"": 7})
+    got, new, stats = step(state, params, *batch)
+    assert list(stats) == [""]
+    ref = jax.grad(loss32)(params, *batch)
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-7)
+
+
+def test_frozen_submodule_runs_at_parent_scale():
+    """Only part of the parameters is trained; the frozen ones get no scale group."""
+    _, params, loss32, batch = _setup("gpt_tied_reused_attention", jnp.float32)
+    frozen = {"other": params["other"]}
+    trainable = {k: v for k, v in params.items() if k != "other"}
+    loss = lambda p, x, y: loss32({**p, **frozen}, x, y)
+    scaler = alj.adaptive()
+    groups = alj.param_groups(trainable, scaler)
+    assert not any(g.startswith("other") for g in groups)
+    log2 = {g: (i * 3) % 11 for i, g in enumerate(groups)}
+    step, state = _grads_through(scaler, loss, trainable, batch, log2)
+    got, _, _ = step(state, trainable, *batch)
+    ref = jax.grad(loss)(trainable, *batch)
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-7)
+
+
+def test_filter_rejecting_modules_keeps_gradients_exact():
+    _, params, loss32, batch = _setup("resnet", jnp.float32)
+    scaler = alj.adaptive(filter=lambda path, module: len(path) <= 1)
+    groups = alj.param_groups(params, scaler)
+    log2 = {g: (i * 5) % 13 for i, g in enumerate(groups)}
+    step, state = _grads_through(scaler, loss32, params, batch, log2)
+    got, _, stats = step(state, params, *batch)
+    assert all(g.count("/") == 0 for g in stats)
+    ref = jax.grad(loss32)(params, *batch)
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-7)
+
+
+def test_nonfinite_loss_skips_without_moving_scales():
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    bad = lambda p, x, y: loss16(p, x, y) * jnp.inf
+    step, state = _grads_through(alj.adaptive(), bad, params, batch, None)
+    _, new, _ = step(state, params, *batch)
+    ad = new[0]
+    assert not bool(ad.base.last_applied)
+    assert int(ad.base.total_nonfinite_loss) == 1
+    for g in ad.log2_scales:
+        assert float(ad.log2_scales[g]) == float(state[0].log2_scales[g])
+
+
+def test_bad_input_is_refused_clearly():
+    with pytest.raises(ValueError, match="statistic"):
+        alj.adaptive(statistic="median")
+    with pytest.raises(ValueError, match="groups"):
+        alj.adaptive(groups="layer")
+    with pytest.raises(ValueError, match="grad_dtype"):
+        alj.adaptive(grad_dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match="threshold"):
+        alj.adaptive(threshold=1.5)
+    with pytest.raises(ValueError, match="initial_scale"):
+        alj.adaptive(initial_scale=3.0)
+    with pytest.raises(TypeError, match="filter"):
+        alj.adaptive(filter="Dense")
+    with pytest.raises(TypeError, match="AdaptiveScale"):
+        alj.adaptive_unscale(alj.dynamic())
+    # State built for another model.
+    _, params, loss32, batch = _setup("mlp", jnp.float32)
+    scaler = alj.adaptive()
+    tx = alj.adaptive_unscale(scaler)
+    other_state = tx.init({"params": {"Elsewhere": {"w": jnp.zeros(2)}}})
+    with pytest.raises(ValueError, match="another"):
+        loss, grads, stats = alj.adaptive_value_and_grad(loss32, scaler)(
+            tx.init(params), params, *batch)
+        tx.update(grads, other_state, params, scale_stats=stats)
+
+
+def test_scale_table_lists_every_group():
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    step, state = _grads_through(alj.adaptive(), loss16, params, batch)
+    _, state, _ = step(state, params, *batch)
+    table = alj.scale_table(state)
+    for g in alj.param_groups(params, alj.adaptive()):
+        assert (g or "(root)") in table

@@ -1,0 +1,184 @@
+"""Flax integrations: linen TrainState + train_step, NNX optimizer + nnx_train_step."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax import linen as nn
+from flax import nnx
+
+import adaloss_jax as alj
+from adaloss_jax.flax import TrainState, nnx_optimizer, nnx_scale_state, nnx_train_step, train_step
+
+STEPS = 6
+BAD_STEP = 2
+INITIAL = 2.0**10
+
+
+@jax.custom_vjp
+def poison(x, bad):
+    """Identity forward; an inf gradient when ``bad`` (the loss stays finite)."""
+    return x
+
+
+poison.defvjp(
+    lambda x, bad: (x, bad),
+    lambda bad, g: (g * jnp.where(bad, jnp.inf, 1.0).astype(g.dtype), None),
+)
+
+
+def batches():
+    kx, ky = jax.random.split(jax.random.key(3))
+    return jax.random.normal(kx, (STEPS, 8, 4)), jax.random.normal(ky, (STEPS, 8, 2))
+
+
+def leaves_equal(a, b):
+    la, lb = jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)
+    assert la and len(la) == len(lb)
+    return all(np.array_equal(x, y) for x, y in zip(la, lb))
+
+
+# --- linen ----------------------------------------------------------------------
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x, bad):
+        h = nn.tanh(nn.Dense(8, dtype=jnp.float16)(x))
+        return nn.Dense(2, dtype=jnp.float16)(poison(h, bad))
+
+
+def linen_loss(params, apply_fn, x, y, bad):
+    return jnp.mean((apply_fn({"params": params}, x, bad) - y) ** 2)
+
+
+@jax.jit
+def linen_step(state, x, y, bad):
+    return train_step(state, linen_loss, state.apply_fn, x, y, bad)
+
+
+def test_linen_train_step_skips_and_counts():
+    model = MLP()
+    xs, ys = batches()
+    params = model.init(jax.random.key(0), xs[0], False)["params"]
+    state = TrainState.create(
+        apply_fn=model.apply,
+        params=params,
+        tx=optax.adamw(1e-2),
+        policy=alj.dynamic(initial_scale=INITIAL, period=2),
+    )
+    expected_scale = [INITIAL, INITIAL, 2 * INITIAL, INITIAL, INITIAL, 2 * INITIAL]
+    for t in range(STEPS):
+        before = state
+        state, metrics = linen_step(state, xs[t], ys[t], jnp.asarray(t == BAD_STEP))
+        assert bool(metrics["applied"]) == (t != BAD_STEP)
+        assert float(metrics["loss_scale"]) == expected_scale[t], t
+        assert np.isfinite(float(metrics["loss"]))
+        if t == BAD_STEP:
+            assert leaves_equal(state.params, before.params)
+            assert leaves_equal(state.opt_state[1], before.opt_state[1])
+        else:
+            assert not leaves_equal(state.params, before.params)
+    st = state.loss_scale_state
+    assert int(state.step) == STEPS
+    assert (int(st.total_applied), int(st.total_skipped)) == (STEPS - 1, 1)
+    assert int(st.total_nonfinite_loss) == 0
+    # Steps 0,1 grew to 2**11; the overflow at 2 backed off to 2**10; 3,4 grew again.
+    assert float(st.loss_scale) == 2 * INITIAL
+
+
+def test_linen_create_without_unscale_is_refused():
+    model = MLP()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4)), False)["params"]
+    with pytest.raises(ValueError, match="LossScaleState"):
+        TrainState.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
+    with pytest.raises(ValueError, match="axis_name"):
+        TrainState.create(
+            apply_fn=model.apply, params=params, tx=optax.adamw(1e-3), axis_name="data"
+        )
+    # A tx that already contains unscale is accepted with policy=None.
+    state = TrainState.create(
+        apply_fn=model.apply, params=params, tx=alj.loss_scaled(optax.sgd(0.1), alj.static())
+    )
+    assert float(state.loss_scale_state.loss_scale) == 2.0**15
+
+
+# --- NNX ------------------------------------------------------------------------
+
+
+class NnxMLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1 = nnx.Linear(4, 8, dtype=jnp.float16, rngs=rngs)
+        self.l2 = nnx.Linear(8, 2, dtype=jnp.float16, rngs=rngs)
+
+    def __call__(self, x, bad):
+        return self.l2(poison(jnp.tanh(self.l1(x)), bad))
+
+
+def nnx_loss(model, x, y, bad):
+    return jnp.mean((model(x, bad) - y) ** 2)
+
+
+@nnx.jit
+def nnx_step(model, optimizer, x, y, bad):
+    return nnx_train_step(model, optimizer, nnx_loss, x, y, bad)
+
+
+def test_nnx_train_step_skips_and_counts():
+    model = NnxMLP(nnx.Rngs(0))
+    optimizer = nnx_optimizer(
+        model, optax.adamw(1e-2), alj.dynamic(initial_scale=INITIAL, period=2)
+    )
+    xs, ys = batches()
+    expected_scale = [INITIAL, INITIAL, 2 * INITIAL, INITIAL, INITIAL, 2 * INITIAL]
+    for t in range(STEPS):
+        params_before = jax.tree_util.tree_map(np.asarray, nnx.state(model, nnx.Param))
+        opt_before = jax.tree_util.tree_map(np.asarray, nnx.state(optimizer))
+        metrics = nnx_step(model, optimizer, xs[t], ys[t], jnp.asarray(t == BAD_STEP))
+        assert bool(metrics["applied"]) == (t != BAD_STEP)
+        assert float(metrics["loss_scale"]) == expected_scale[t], t
+        params_after = nnx.state(model, nnx.Param)
+        if t == BAD_STEP:
+            assert leaves_equal(params_after, params_before)
+            inner_after = nnx.as_pure(optimizer.opt_state)[1]
+            inner_before = nnx.as_pure(opt_before["opt_state"])[1]
+            assert leaves_equal(inner_after, inner_before)
+        else:
+            assert not leaves_equal(params_after, params_before)
+    st = nnx_scale_state(optimizer)
+    assert (int(st.total_applied), int(st.total_skipped)) == (STEPS - 1, 1)
+    assert int(st.notfinite_count) == 0
+    assert float(st.loss_scale) == 2 * INITIAL
+
+
+def test_nnx_optimizer_without_unscale_is_refused():
+    model = NnxMLP(nnx.Rngs(0))
+    with pytest.raises(ValueError, match="LossScaleState"):
+        nnx_optimizer(model, optax.adamw(1e-3), None)
+
+
+def test_linen_train_state_checkpoint_continues_identically(tmp_path):
+    model = MLP()
+    xs, ys = batches()
+    params = model.init(jax.random.key(0), xs[0], False)["params"]
+
+    def fresh():
+        return TrainState.create(
+            apply_fn=model.apply, params=params, tx=optax.adamw(1e-2),
+            policy=alj.dynamic(initial_scale=INITIAL, period=2),
+        )
+
+    state = fresh()
+    states = []
+    for t in range(STEPS):
+        state, _ = linen_step(state, xs[t], ys[t], jnp.asarray(t == BAD_STEP))
+        states.append(state)
+    alj.save_state(tmp_path / "ts", states[BAD_STEP])
+    restored = alj.load_state(tmp_path / "ts", fresh())
+    assert not bool(restored.loss_scale_state.last_applied)
+    for t in range(BAD_STEP + 1, STEPS):
+        restored, _ = linen_step(restored, xs[t], ys[t], jnp.asarray(t == BAD_STEP))
+        assert leaves_equal(restored, states[t]), t

@@ -90,6 +90,34 @@ def test_linen_train_step_skips_and_counts():
     assert float(st.loss_scale) == 2 * INITIAL
 
 
+def test_linen_train_step_adaptive_per_module():
+    """policy=adaptive(): per-module scale points in train_step, one jit, skips visible,
+    gradients (hence updates) equal to an fp32 run with the same optimizer."""
+    model = MLP()
+    xs, ys = batches()
+    params = model.init(jax.random.key(0), xs[0], False)["params"]
+    state = TrainState.create(
+        apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=alj.adaptive()
+    )
+    assert sorted(alj.adaptive_state(state.opt_state).log2_scales) == ["", "Dense_0", "Dense_1"]
+    for t in range(STEPS):
+        before = state
+        state, metrics = linen_step(state, xs[t], ys[t], jnp.asarray(t == BAD_STEP))
+        assert bool(metrics["applied"]) == (t != BAD_STEP)
+        if t == BAD_STEP:
+            assert leaves_equal(state.params, before.params)
+        else:
+            ref = jax.grad(linen_loss)(before.params, model.apply, xs[t], ys[t], False)
+            got = jax.tree_util.tree_map(lambda a, b: (a - b) / -0.1, state.params,
+                                         before.params)
+            for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+                np.testing.assert_allclose(g, r, rtol=0.05, atol=1e-4)
+    st = state.loss_scale_state
+    assert (int(st.total_applied), int(st.total_skipped)) == (STEPS - 1, 1)
+    # The statistics moved the scales off their initial 2**0.
+    assert any(float(v) != 0 for v in alj.adaptive_state(state.opt_state).log2_scales.values())
+
+
 def test_linen_create_without_unscale_is_refused():
     model = MLP()
     params = model.init(jax.random.key(0), jnp.zeros((1, 4)), False)["params"]

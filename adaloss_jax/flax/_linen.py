@@ -7,9 +7,10 @@ from typing import Any
 
 import jax.numpy as jnp
 import optax
+from flax import struct
 from flax.training import train_state
 
-from adaloss_jax import _policies, _transforms
+from adaloss_jax import _adaptive, _policies, _transforms
 
 
 class TrainState(train_state.TrainState):
@@ -17,16 +18,28 @@ class TrainState(train_state.TrainState):
 
     Build it with ``TrainState.create(apply_fn=..., params=..., tx=optax.adamw(1e-3),
     policy=adaloss_jax.dynamic())``: ``tx`` is wrapped as
-    ``loss_scaled(tx, policy)``. Pass ``policy=None`` when ``tx`` already contains
-    :func:`adaloss_jax.unscale`.
+    ``loss_scaled(tx, policy)``. With ``policy=adaloss_jax.adaptive(...)`` it is wrapped
+    as ``chain(adaptive_unscale(policy), skip_nonfinite(tx))`` and :func:`train_step`
+    inserts the per-module scale points. Pass ``policy=None`` when ``tx`` already
+    contains :func:`adaloss_jax.unscale`.
 
     ``apply_gradients(grads=scaled_grads, loss=loss)`` unscales, checks finiteness,
     updates the scale and applies the update only when it is finite; ``step`` counts
     every call, ``loss_scale_state.total_applied`` the applied ones.
     """
 
+    adaptive: _adaptive.AdaptiveScale | None = struct.field(pytree_node=False, default=None)
+
     @classmethod
     def create(cls, *, apply_fn, params, tx, policy=None, axis_name=None, **kwargs):
+        if isinstance(policy, _adaptive.AdaptiveScale):
+            tx = optax.chain(
+                _adaptive.adaptive_unscale(policy, axis_name=axis_name),
+                _transforms.skip_nonfinite(tx),
+            )
+            return super().create(
+                apply_fn=apply_fn, params=params, tx=tx, adaptive=policy, **kwargs
+            )
         if policy is not None:
             tx = _transforms.loss_scaled(tx, policy, axis_name=axis_name)
         elif axis_name is not None:
@@ -42,10 +55,14 @@ class TrainState(train_state.TrainState):
     def loss_scale_state(self) -> _policies.LossScaleState:
         return _transforms.scale_state(self.opt_state)
 
-    def apply_gradients(self, *, grads, loss=None, **kwargs):
+    def apply_gradients(self, *, grads, loss=None, scale_stats=None, **kwargs):
         """Applies *scaled* gradients; pass the unscaled ``loss`` to tell a forward
-        overflow (skip, keep the scale) from a gradient overflow (skip, back off)."""
-        updates, new_opt_state = self.tx.update(grads, self.opt_state, self.params, loss=loss)
+        overflow (skip, keep the scale) from a gradient overflow (skip, back off), and,
+        with adaptive scaling, the ``scale_stats`` of the backward pass."""
+        extra = {} if scale_stats is None else {"scale_stats": scale_stats}
+        updates, new_opt_state = self.tx.update(
+            grads, self.opt_state, self.params, loss=loss, **extra
+        )
         return self.replace(
             step=self.step + 1,
             params=optax.apply_updates(self.params, updates),
@@ -71,14 +88,21 @@ def train_step(
             return adaloss_jax.flax.train_step(state, loss_fn, batch)
 
     Returns the new state and metrics: ``loss`` (unscaled), ``applied`` (bool),
-    ``loss_scale`` (the scale used for this step) and ``aux`` when ``has_aux``.
+    ``loss_scale`` (the scale the loss was multiplied by; the root scale with adaptive
+    scaling) and ``aux`` when ``has_aux``.
     """
     scale_used = state.loss_scale_state.loss_scale
-    value, grads = _transforms.value_and_grad(loss_fn, has_aux=has_aux)(
-        state.opt_state, state.params, *args, **kwargs
-    )
+    if state.adaptive is not None:
+        value, grads, stats = _adaptive.adaptive_value_and_grad(
+            loss_fn, state.adaptive, has_aux=has_aux
+        )(state.opt_state, state.params, *args, **kwargs)
+    else:
+        stats = None
+        value, grads = _transforms.value_and_grad(loss_fn, has_aux=has_aux)(
+            state.opt_state, state.params, *args, **kwargs
+        )
     loss, aux = value if has_aux else (value, None)
-    state = state.apply_gradients(grads=grads, loss=jnp.asarray(loss))
+    state = state.apply_gradients(grads=grads, loss=jnp.asarray(loss), scale_stats=stats)
     metrics = {
         "loss": loss,
         "applied": state.loss_scale_state.last_applied,

@@ -83,22 +83,39 @@ def run(config: str, data, eval_data, *, steps: int, shift: int, seed: int = 0) 
         "fp32": alj.no_scaling(),
         "fp16 no scaling": alj.no_scaling(),
         "fp16 dynamic": alj.dynamic(initial_scale=2.0**15, period=100),
+        "fp16 adaptive global": alj.adaptive(groups="global"),
+        "fp16 adaptive": alj.adaptive(),
     }[config]
-    tx = alj.loss_scaled(inner, policy)
-    opt_state = tx.init(params)
     tiny = 2.0**-shift
+    loss_fn = lambda p, ctx, y: _xent(model, p, ctx, y) * tiny
+    if isinstance(policy, alj.AdaptiveScale):
+        tx = optax.chain(alj.adaptive_unscale(policy), alj.skip_nonfinite(inner))
+
+        def grads_of(opt_state, params, ctx, y):
+            loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, policy)(
+                opt_state, params, ctx, y
+            )
+            return loss, grads, {"scale_stats": stats}
+    else:
+        tx = alj.loss_scaled(inner, policy)
+
+        def grads_of(opt_state, params, ctx, y):
+            loss, grads = alj.value_and_grad(loss_fn)(opt_state, params, ctx, y)
+            return loss, grads, {}
+
+    opt_state = tx.init(params)
 
     @jax.jit
     def step(params, opt_state, ctx, y):
-        loss_fn = lambda p: _xent(model, p, ctx, y) * tiny
-        loss, grads = alj.value_and_grad(loss_fn)(opt_state, params)
-        updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+        loss, grads, extra = grads_of(opt_state, params, ctx, y)
+        updates, opt_state = tx.update(grads, opt_state, params, loss=loss, **extra)
         return optax.apply_updates(params, updates), opt_state, loss
 
     @jax.jit
     def underflow(params, opt_state, ctx, y):
-        """Share of gradient elements non-zero in fp32 and zero as trained."""
-        _, g_low = alj.value_and_grad(lambda p: _xent(model, p, ctx, y) * tiny)(opt_state, params)
+        """Share of gradient elements non-zero in fp32 and zero as trained (a zero is a
+        zero at any scale, so the scaled gradients can be compared directly)."""
+        _, g_low, _ = grads_of(opt_state, params, ctx, y)
         g_ref = jax.grad(lambda p: _xent(ref, p, ctx, y) * tiny)(params)
         nz_ref = sum(jnp.sum(r != 0) for r in jax.tree_util.tree_leaves(g_ref))
         lost = sum(
@@ -141,17 +158,17 @@ def main(argv=None) -> int:
         f"loss x 2^-{args.shift} (gradients x 2^{args.shift} before Adam; fp32 unaffected)"
     )
     rows = []
-    configs = ["fp32", "fp16 no scaling", "fp16 dynamic"]
+    configs = ["fp32", "fp16 no scaling", "fp16 dynamic", "fp16 adaptive global", "fp16 adaptive"]
     for i, config in enumerate(configs, 1):
         print(f"[{i}/{len(configs)}] {config} ...", end="", flush=True, file=sys.stderr)
         rows.append(run(config, train, eval_data, steps=args.steps, shift=args.shift))
         print(f" {rows[-1]['seconds']:.1f}s", file=sys.stderr)
     header = ("config", "eval bits/byte", "grad underflow", "skipped", "scale")
-    print("{:<17} {:>14} {:>15} {:>8} {:>8}".format(*header))
+    print("{:<21} {:>14} {:>15} {:>8} {:>8}".format(*header))
     for r in rows:
         scale = "2^" + str(round(math.log2(r["final_scale"])))
         print(
-            f"{r['config']:<17} {r['eval_bits_per_byte']:>14.3f} {r['grad_underflow']:>14.1%} "
+            f"{r['config']:<21} {r['eval_bits_per_byte']:>14.3f} {r['grad_underflow']:>14.1%} "
             f"{r['skipped']:>8d} {scale:>8}"
         )
     return 0

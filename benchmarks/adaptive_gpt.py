@@ -1,0 +1,286 @@
+"""Adaptive loss scaling against fp32 and dynamic global scaling on a byte-level GPT.
+
+Trains the byte-level pre-LN GPT of ``underflow_table.py`` (tied embedding, flax linen,
+fp32 master weights; the same model definition for every config, only the compute
+dtype switched) on the Python standard library's source as bytes (the same split by
+file as ``underflow_table.py``, split seed 0 for every training seed), with AdamW, for
+these configs, with the same initialisation and batches per seed:
+
+* ``fp32``: float32 compute, no scaling;
+* ``fp16-dynamic``: float16 compute, dynamic global scaling
+  (``alj.loss_scaled(inner, alj.dynamic(initial_scale=2**15, period=200))``);
+* ``fp16-ada-global``: float16, adaptive scaling with one statistics-driven scale
+  (``alj.adaptive(groups="global")``);
+* ``fp16-ada-amax``: float16, adaptive per-module scales, amax rule (``alj.adaptive()``);
+* ``fp16-ada-gauss``: float16, adaptive per-module scales, the reference's Gaussian rule
+  (``alj.adaptive(statistic="gaussian")``).
+
+Regimes: ``tiny`` (default; the loss multiplied by 2^-20 before differentiation and the
+gradients by 2^20 before AdamW, so fp32 training is unchanged: what a mean over ~10^6
+tokens per step does to per-element gradients) and ``ordinary``.
+
+Reported per config: held-out bits/byte after the last step (evaluated in the config's
+compute dtype; mean +- sample std over seeds), gap to fp32, skipped steps, final root
+scale (for the adaptive configs also min / median / max of the per-group log2 scales),
+and seconds per step in steady state (the first step, which compiles, excluded).
+
+Usage::
+
+    python benchmarks/adaptive_gpt.py --seeds 0,1,2 --json adaptive_gpt.json
+    python benchmarks/adaptive_gpt.py --regime ordinary --seeds 0
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+import adaloss_jax as alj
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from underflow_table import GPT, TINY, batches, load_corpus  # noqa: E402
+
+CONFIGS = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-amax", "fp16-ada-gauss")
+
+
+def make_scaler(config: str):
+    if config == "fp16-ada-global":
+        return alj.adaptive(groups="global")
+    if config == "fp16-ada-amax":
+        return alj.adaptive()
+    if config == "fp16-ada-gauss":
+        return alj.adaptive(statistic="gaussian")
+    return None
+
+
+def make_inner(regime: str, lr: float):
+    inner = optax.adamw(lr, weight_decay=0.01)
+    if regime == "tiny":  # undo the loss multiplier after unscaling: fp32 is unchanged
+        inner = optax.chain(optax.scale(1.0 / TINY), inner)
+    return inner
+
+
+def make_step(config: str, model, multiplier: float, tx):
+    """One jitted training step ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
+
+    def loss_fn(params, batch):
+        logits = model.apply({"params": params}, batch[:, :-1])
+        ce = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), batch[:, 1:])
+        return jnp.mean(ce) * multiplier
+
+    scaler = make_scaler(config)
+    if scaler is None:
+        @jax.jit
+        def step(params, opt_state, batch):
+            loss, grads = alj.value_and_grad(loss_fn)(opt_state, params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+            return optax.apply_updates(params, updates), opt_state, loss
+    else:
+        @jax.jit
+        def step(params, opt_state, batch):
+            loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(
+                opt_state, params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params, loss=loss,
+                                           scale_stats=stats)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+    return step
+
+
+def make_tx(config: str, regime: str, lr: float, period: int):
+    inner = make_inner(regime, lr)
+    if config == "fp32":
+        return alj.loss_scaled(inner, alj.no_scaling())
+    if config == "fp16-dynamic":
+        return alj.loss_scaled(inner, alj.dynamic(initial_scale=2.0**15, period=period))
+    return optax.chain(alj.adaptive_unscale(make_scaler(config)), alj.skip_nonfinite(inner))
+
+
+def base_state(opt_state):
+    leaves = jax.tree_util.tree_leaves(
+        opt_state, is_leaf=lambda x: isinstance(x, alj.AdaptiveScaleState))
+    for x in leaves:
+        if isinstance(x, alj.AdaptiveScaleState):
+            return x.base, x
+    return alj.scale_state(opt_state), None
+
+
+def run_one(config, seed, args, train_data, val_batches):
+    dtype = jnp.float32 if config == "fp32" else jnp.float16
+    model = GPT(args.layers, args.d_model, args.heads, args.context, dtype)
+    params = model.init(jax.random.key(seed), val_batches[0][:, :-1])["params"]
+    multiplier = TINY if args.regime == "tiny" else 1.0
+    tx = make_tx(config, args.regime, args.lr, args.period)
+    opt_state = tx.init(params)
+    step = make_step(config, model, multiplier, tx)
+    data_iter = batches(train_data, args.batch, args.context, np.random.default_rng(seed + 2))
+
+    t0 = time.time()
+    losses, roots = [], []
+    for i in range(args.steps):
+        params, opt_state, loss = step(params, opt_state, next(data_iter))
+        losses.append(loss)
+        roots.append(base_state(opt_state)[0].loss_scale)
+        if i == 0:
+            jax.block_until_ready(params)
+            t_first = time.time() - t0
+            t1 = time.time()
+    jax.block_until_ready(params)
+    t_steady = (time.time() - t1) / max(1, args.steps - 1)
+
+    @jax.jit
+    def eval_loss(p, b):
+        logits = model.apply({"params": p}, b[:, :-1])
+        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), b[:, 1:]))
+
+    bpb = float(np.mean([eval_loss(params, b) for b in val_batches])) / math.log(2)
+    base, ada = base_state(opt_state)
+    losses = np.asarray(jax.device_get(losses), np.float64) / multiplier / math.log(2)
+    roots = np.log2(np.asarray(jax.device_get(roots), np.float64))
+    row = {
+        "config": config, "seed": seed, "regime": args.regime, "steps": args.steps,
+        "val_bpb": bpb,
+        "train_bpb_last20": float(np.nanmean(losses[-20:])),
+        "nonfinite_train_losses": int(np.sum(~np.isfinite(losses))),
+        "skipped": int(base.total_skipped), "applied": int(base.total_applied),
+        "nonfinite_loss_skips": int(base.total_nonfinite_loss),
+        "log2_root_scale": float(np.log2(float(base.loss_scale))),
+        "log2_root_trajectory": roots.tolist(),
+        "first_step_s": t_first, "s_per_step": t_steady,
+    }
+    if ada is not None:
+        groups = {g: float(v) for g, v in ada.log2_scales.items()}
+        row["log2_group_scales"] = groups
+        row["log2_unit_amax"] = {g: float(v) for g, v in ada.log2_amax.items()}
+        row["overflowed"] = {g: bool(v) for g, v in ada.overflowed.items()}
+        vals = [v for g, v in groups.items() if g] or [groups[""]]
+        row["group_log2_min_med_max"] = [min(vals), float(np.median(vals)), max(vals)]
+        row["bounds_hit"] = sorted(
+            g or "(root)" for g, v in groups.items() if v <= -24 or v >= 64)
+    return row
+
+
+def _mean_spread(xs):
+    xs = np.asarray(xs, np.float64)
+    return float(np.mean(xs)), float(np.std(xs, ddof=1)) if len(xs) > 1 else 0.0
+
+
+def table(rows, configs) -> str:
+    ref = [r["val_bpb"] for r in rows if r["config"] == "fp32"]
+    ref_mean = float(np.mean(ref)) if ref else float("nan")
+    header = ["config", "seeds", "val bits/byte", "gap to fp32", "skipped",
+              "log2 root scale", "log2 group scale min/med/max", "s/step", "1st step s"]
+    lines = [header]
+    for c in configs:
+        rs = [r for r in rows if r["config"] == c]
+        if not rs:
+            continue
+        m, s = _mean_spread([r["val_bpb"] for r in rs])
+        roots = sorted({round(r["log2_root_scale"]) for r in rs})
+        grp = "-"
+        if "group_log2_min_med_max" in rs[0]:
+            grp = "; ".join("{:.0f}/{:.1f}/{:.0f}".format(*r["group_log2_min_med_max"])
+                            for r in rs)
+        lines.append([
+            c, ",".join(str(r["seed"]) for r in rs), f"{m:.4f} +- {s:.4f}",
+            f"{m - ref_mean:+.4f}", ",".join(str(r["skipped"]) for r in rs),
+            ",".join(str(x) for x in roots), grp,
+            f"{np.mean([r['s_per_step'] for r in rs]):.3f}",
+            f"{np.mean([r['first_step_s'] for r in rs]):.1f}",
+        ])
+    widths = [max(len(x) for x in col) for col in zip(*lines, strict=True)]
+    return "\n".join("  ".join(x.ljust(w) for x, w in zip(line, widths, strict=True)).rstrip()
+                     for line in lines)
+
+
+def group_table(row) -> str:
+    lines = [f"{'group':<28} {'log2 scale':>10} {'log2 unit amax':>15} overflowed"]
+    for g in sorted(row["log2_group_scales"]):
+        lines.append(f"{(g or '(root)'):<28} {row['log2_group_scales'][g]:>10.0f} "
+                     f"{row['log2_unit_amax'][g]:>15.1f} {row['overflowed'][g]}")
+    return "\n".join(lines)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--regime", choices=("tiny", "ordinary"), default="tiny")
+    ap.add_argument("--steps", type=int, default=200)
+    ap.add_argument("--seeds", default="0,1,2")
+    ap.add_argument("--configs", default=",".join(CONFIGS))
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--d-model", type=int, default=128)
+    ap.add_argument("--heads", type=int, default=4)
+    ap.add_argument("--context", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=16)
+    ap.add_argument("--lr", type=float, default=1e-3)
+    ap.add_argument("--period", type=int, default=200,
+                    help="dynamic scaling: finite steps per doubling (start 2^15)")
+    ap.add_argument("--val-batches", type=int, default=16)
+    ap.add_argument("--json", default=None, help="write the raw rows to this JSON file")
+    ap.add_argument("--groups", action="store_true",
+                    help="print each adaptive run's final per-group scales")
+    args = ap.parse_args(argv)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    configs = args.configs.split(",")
+    unknown = sorted(set(configs) - set(CONFIGS))
+    if unknown:
+        ap.error(f"unknown configs {unknown}; choose from {', '.join(CONFIGS)}")
+
+    t0 = time.time()
+    train_data, val_data = load_corpus(0)
+    vrng = np.random.default_rng(12345)
+    val_batches = [next(batches(val_data, args.batch, args.context, vrng))
+                   for _ in range(args.val_batches)]
+    print(f"# byte-level GPT: {args.layers} pre-LN blocks, d={args.d_model}, {args.heads} "
+          f"heads, context {args.context}, tied embedding; fp32 master weights; AdamW lr "
+          f"{args.lr} (wd 0.01), batch {args.batch}, {args.steps} steps, seeds {seeds}")
+    print(f"# data: {len(train_data)} train / {len(val_data)} val bytes of "
+          f"{os.path.dirname(os.__file__)}/*.py (split by file, seed 0); eval on "
+          f"{args.val_batches} fixed val batches in each config's compute dtype")
+    print(f"# regime {args.regime}" + (": loss x 2^-20 before differentiation, gradients "
+                                        "x 2^20 before AdamW" if args.regime == "tiny" else ""))
+    print(f"# jax {jax.__version__} on {jax.devices()[0].platform}, "
+          f"{os.cpu_count()} CPUs visible")
+    sys.stdout.flush()
+
+    rows = []
+    for config in configs:
+        for seed in seeds:
+            row = run_one(config, seed, args, train_data, val_batches)
+            rows.append(row)
+            extra = ""
+            if "group_log2_min_med_max" in row:
+                extra = " groups log2 min/med/max {:.0f}/{:.1f}/{:.0f}".format(
+                    *row["group_log2_min_med_max"])
+                if row["bounds_hit"]:
+                    extra += f" AT BOUNDS: {row['bounds_hit']}"
+            print(f"[{time.time() - t0:6.0f}s] {config} seed {seed}: val {row['val_bpb']:.4f} "
+                  f"bpb, train(last20) {row['train_bpb_last20']:.4f}, skipped "
+                  f"{row['skipped']}, root 2^{row['log2_root_scale']:.0f}{extra}, "
+                  f"{row['s_per_step']:.3f} s/step (1st {row['first_step_s']:.1f}s)",
+                  file=sys.stderr, flush=True)
+            if args.groups and "log2_group_scales" in row:
+                print(f"\n## {config} seed {seed}: final per-group scales\n{group_table(row)}")
+            if args.json:
+                with open(args.json, "w") as f:
+                    json.dump(rows, f, indent=1)
+
+    print(f"\n## regime {args.regime}: held-out bits/byte after {args.steps} steps "
+          f"(mean +- sample std over seeds)")
+    print(table(rows, configs))
+    print(f"\n# total {time.time() - t0:.0f}s")
+
+
+if __name__ == "__main__":
+    main()

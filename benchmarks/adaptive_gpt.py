@@ -138,19 +138,23 @@ def run_one(config, seed, args, train_data, val_batches):
     jax.block_until_ready(params)
     t_steady = (time.time() - t1) / max(1, args.steps - 1)
 
-    @jax.jit
-    def eval_loss(p, b):
-        logits = model.apply({"params": p}, b[:, :-1])
-        return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), b[:, 1:]))
+    def evaluate(m):
+        @jax.jit
+        def eval_loss(p, b):
+            logits = m.apply({"params": p}, b[:, :-1])
+            return jnp.mean(optax.softmax_cross_entropy_with_integer_labels(
+                logits.astype(jnp.float32), b[:, 1:]))
 
-    bpb = float(np.mean([eval_loss(params, b) for b in val_batches])) / math.log(2)
+        return float(np.mean([eval_loss(params, b) for b in val_batches])) / math.log(2)
+
+    bpb = evaluate(model)
+    bpb32 = bpb if dtype == jnp.float32 else evaluate(model.clone(dtype=jnp.float32))
     base, ada = base_state(opt_state)
     losses = np.asarray(jax.device_get(losses), np.float64) / multiplier / math.log(2)
     roots = np.log2(np.asarray(jax.device_get(roots), np.float64))
     row = {
         "config": config, "seed": seed, "regime": args.regime, "steps": args.steps,
-        "val_bpb": bpb,
+        "val_bpb": bpb, "val_bpb_fp32_eval": bpb32,
         "train_bpb_last20": float(np.nanmean(losses[-20:])),
         "nonfinite_train_losses": int(np.sum(~np.isfinite(losses))),
         "skipped": int(base.total_skipped), "applied": int(base.total_applied),
@@ -179,7 +183,7 @@ def _mean_spread(xs):
 def table(rows, configs) -> str:
     ref = [r["val_bpb"] for r in rows if r["config"] == "fp32"]
     ref_mean = float(np.mean(ref)) if ref else float("nan")
-    header = ["config", "seeds", "val bits/byte", "gap to fp32", "skipped",
+    header = ["config", "seeds", "val bits/byte", "gap to fp32", "fp32-eval bpb", "skipped",
               "log2 root scale", "log2 group scale min/med/max", "s/step", "1st step s"]
     lines = [header]
     for c in configs:
@@ -194,7 +198,9 @@ def table(rows, configs) -> str:
                             for r in rs)
         lines.append([
             c, ",".join(str(r["seed"]) for r in rs), f"{m:.4f} +- {s:.4f}",
-            f"{m - ref_mean:+.4f}", ",".join(str(r["skipped"]) for r in rs),
+            f"{m - ref_mean:+.4f}",
+            "{:.4f} +- {:.4f}".format(*_mean_spread([r["val_bpb_fp32_eval"] for r in rs])),
+            ",".join(str(r["skipped"]) for r in rs),
             ",".join(str(x) for x in roots), grp,
             f"{np.mean([r['s_per_step'] for r in rs]):.3f}",
             f"{np.mean([r['first_step_s'] for r in rs]):.1f}",
@@ -266,7 +272,8 @@ def main(argv=None):
                 if row["bounds_hit"]:
                     extra += f" AT BOUNDS: {row['bounds_hit']}"
             print(f"[{time.time() - t0:6.0f}s] {config} seed {seed}: val {row['val_bpb']:.4f} "
-                  f"bpb, train(last20) {row['train_bpb_last20']:.4f}, skipped "
+                  f"bpb (fp32 eval {row['val_bpb_fp32_eval']:.4f}), train(last20) "
+                  f"{row['train_bpb_last20']:.4f}, skipped "
                   f"{row['skipped']}, root 2^{row['log2_root_scale']:.0f}{extra}, "
                   f"{row['s_per_step']:.3f} s/step (1st {row['first_step_s']:.1f}s)",
                   file=sys.stderr, flush=True)

@@ -244,8 +244,32 @@ def _scale_point_bwd(row, ratio, cts):
     converted = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
     # Row 0 measures after entering the module's scale, row 1 before leaving it.
     measured = converted if row == 0 else cts
-    stats = jnp.zeros((2, _NSTATS), jnp.float32).at[row].set(_stats(measured))
+    stats = _reduce_over_mapped_axes(_stats(measured), cts)
+    stats = jnp.zeros((2, _NSTATS), jnp.float32).at[row].set(stats)
     return converted, jnp.zeros_like(ratio), stats
+
+
+def _varying_axes(x) -> set:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if mat is not None:
+        return set(mat.varying)
+    return set(getattr(aval, "vma", ()) or ())  # earlier releases
+
+
+def _reduce_over_mapped_axes(stats: jax.Array, cts: tuple) -> jax.Array:
+    """Under ``shard_map`` the cotangents may vary over mapped axes while the dummy does
+    not; a custom_vjp cotangent must have its input's type, so reduce the statistics over
+    those axes here (amax by max, sums by sum): they become global, as under SPMD jit."""
+    axes = set()
+    for c in cts:
+        axes |= _varying_axes(c)
+    if not axes:
+        return stats
+    axes = tuple(sorted(axes))
+    amax = jax.lax.pmax(stats[_AMAX], axes)
+    rest = jax.lax.psum(stats[_AMAX + 1 :], axes)
+    return jnp.concatenate([amax[None], rest])
 
 
 _scale_point.defvjp(_scale_point_fwd, _scale_point_bwd)

@@ -10,6 +10,7 @@ from adaloss_jax._adaptive import (
     param_groups,
     scale_table,
 )
+from adaloss_jax._check import GradientCheck, check_gradients
 from adaloss_jax._checkpoint import load_state, save_state
 from adaloss_jax._formats import (
     BFLOAT16,
@@ -46,6 +47,8 @@ from adaloss_jax._transforms import (
 __version__ = "0.1.0"
 
 __all__ = [
+    "GradientCheck",
+    "check_gradients",
     "AdaptiveScale",
     "AdaptiveScaleState",
     "adaptive",

@@ -350,3 +350,21 @@ def test_gradient_accumulation_with_multisteps():
     ref = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, g1, g2)
     for u, r in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(ref)):
         np.testing.assert_allclose(u, r, rtol=2e-5, atol=1e-7)
+
+
+def test_check_mode_names_disagreeing_leaves():
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    _, _, loss32, _ = _setup("mlp", jnp.float32)
+    scaler = alj.adaptive()
+    step, state = _grads_through(scaler, loss16, params, batch)
+    _, state, _ = step(state, params, *batch)
+    report = alj.check_gradients(loss16, loss32, scaler, state, params, *batch)
+    assert report.disagreeing == []
+    assert len(report.rows) == len(jax.tree_util.tree_leaves(params))
+    assert "all leaves within rtol" in str(report)
+    # A loss that flushes (x 2^-40 at the current scales) is caught and named.
+    tiny16 = lambda p, x, y: loss16(p, x, y) * 2.0**-40
+    tiny32 = lambda p, x, y: loss32(p, x, y) * 2.0**-40
+    report = alj.check_gradients(tiny16, tiny32, scaler, state, params, *batch)
+    assert "Dense_0/kernel" in report.disagreeing
+    assert all(r["underflow_rate"] > 0.5 for r in report.rows if r["name"] in report.disagreeing)

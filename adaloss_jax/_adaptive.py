@@ -186,7 +186,13 @@ def _strip_collection(path: tuple[str, ...]) -> tuple[str, ...]:
 
 def _leaf_paths(tree) -> list[tuple[str, ...]]:
     flat, _ = jax.tree_util.tree_flatten_with_path(tree)
-    return [_strip_collection(tuple(_key_name(k) for k in p)) for p, _ in flat]
+    paths = []
+    for p, _ in flat:
+        # An NNX Variable flattens to its ``.value`` attribute: not part of the name.
+        if p and isinstance(p[-1], jax.tree_util.GetAttrKey) and p[-1].name == "value":
+            p = p[:-1]
+        paths.append(_strip_collection(tuple(_key_name(k) for k in p)))
+    return paths
 
 
 def param_groups(params, scaler: AdaptiveScale) -> list[str]:
@@ -302,10 +308,14 @@ class _Interceptor:
         self.used: set[str] = set()
 
     def __call__(self, next_fun, args, kwargs, context):
+        """The ``flax.linen.intercept_methods`` entry point."""
         module = context.module
         if context.method_name == "setup" or module.scope is None:
             return next_fun(*args, **kwargs)
-        path = tuple(module.scope.path)
+        return self.wrap(tuple(module.scope.path), module, next_fun, args, kwargs)
+
+    def wrap(self, path, module, next_fun, args, kwargs):
+        """Runs ``next_fun(*args, **kwargs)`` as a call of the module at ``path``."""
         group = self.scaler.group_of(path)
         parent = self.stack[-1][0] if self.stack else ROOT
         reentrant = bool(self.stack) and self.stack[-1][1] == path

@@ -2,5 +2,13 @@
 
 from adaloss_jax.flax._linen import TrainState, train_step
 from adaloss_jax.flax._nnx import nnx_optimizer, nnx_scale_state, nnx_train_step
+from adaloss_jax.flax._nnx_adaptive import nnx_adaptive_value_and_grad
 
-__all__ = ["TrainState", "nnx_optimizer", "nnx_scale_state", "nnx_train_step", "train_step"]
+__all__ = [
+    "TrainState",
+    "nnx_adaptive_value_and_grad",
+    "nnx_optimizer",
+    "nnx_scale_state",
+    "nnx_train_step",
+    "train_step",
+]

@@ -9,7 +9,8 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from adaloss_jax import _policies, _transforms
+from adaloss_jax import _adaptive, _policies, _transforms
+from adaloss_jax.flax._nnx_adaptive import nnx_adaptive_value_and_grad
 
 
 def nnx_optimizer(
@@ -22,11 +23,21 @@ def nnx_optimizer(
 ) -> nnx.Optimizer:
     """``nnx.Optimizer(model, loss_scaled(tx, policy), wrt=wrt)``.
 
+    With ``policy=adaloss_jax.adaptive(...)`` the optimizer is
+    ``chain(adaptive_unscale(policy), skip_nonfinite(tx))`` and :func:`nnx_train_step`
+    inserts per-module scale points (on a copy of the model; the model is not changed).
     With ``policy=None``, ``tx`` must already contain :func:`adaloss_jax.unscale`.
     """
-    if policy is not None:
+    adaptive = isinstance(policy, _adaptive.AdaptiveScale)
+    if adaptive:
+        tx = optax.chain(
+            _adaptive.adaptive_unscale(policy, axis_name=axis_name),
+            _transforms.skip_nonfinite(tx),
+        )
+    elif policy is not None:
         tx = _transforms.loss_scaled(tx, policy, axis_name=axis_name)
     optimizer = nnx.Optimizer(model, tx, wrt=wrt)
+    optimizer.adaptive = policy if adaptive else None
     nnx_scale_state(optimizer)  # fail now if tx has no unscale()
     return optimizer
 
@@ -50,6 +61,14 @@ def nnx_train_step(
     inside ``nnx.jit``. Returns metrics as :func:`adaloss_jax.flax.train_step` does.
     """
     scale_used = nnx_scale_state(optimizer).loss_scale
+    scaler = getattr(optimizer, "adaptive", None)
+    if scaler is not None:
+        value, grads, stats = nnx_adaptive_value_and_grad(
+            loss_fn, scaler, wrt=optimizer.wrt, has_aux=has_aux
+        )(nnx.as_pure(optimizer.opt_state), model, *args, **kwargs)
+        loss, aux = value if has_aux else (value, None)
+        optimizer.update(model, grads, loss=jnp.asarray(loss), scale_stats=stats)
+        return _metrics(optimizer, loss, aux, scale_used, has_aux)
 
     def scaled(m):
         out = loss_fn(m, *args, **kwargs)
@@ -59,6 +78,10 @@ def nnx_train_step(
     grad_fn = nnx.value_and_grad(scaled, argnums=nnx.DiffState(0, optimizer.wrt), has_aux=True)
     (_, (loss, aux)), grads = grad_fn(model)
     optimizer.update(model, grads, loss=jnp.asarray(loss))
+    return _metrics(optimizer, loss, aux, scale_used, has_aux)
+
+
+def _metrics(optimizer, loss, aux, scale_used, has_aux) -> dict[str, Any]:
     metrics = {
         "loss": loss,
         "applied": nnx_scale_state(optimizer).last_applied,

@@ -1,0 +1,110 @@
+"""Adaptive per-layer scaling on Flax NNX models (scale points on a private copy)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+import adaloss_jax as alj
+from adaloss_jax.flax import nnx_adaptive_value_and_grad, nnx_optimizer, nnx_train_step
+
+
+class Block(nnx.Module):
+    def __init__(self, d, rngs, dtype):
+        self.norm = nnx.LayerNorm(d, rngs=rngs, dtype=dtype)
+        self.fc = nnx.Linear(d, d, rngs=rngs, dtype=dtype)
+
+    def __call__(self, x):
+        return x + self.fc(nnx.relu(self.norm(x)))  # residual
+
+
+class Model(nnx.Module):
+    """Tied embedding (``attend``), a block list, one block reachable twice, BatchNorm."""
+
+    def __init__(self, rngs, dtype=jnp.float32, d=8):
+        self.embed = nnx.Embed(16, d, rngs=rngs, dtype=dtype)
+        self.blocks = nnx.List([Block(d, rngs, dtype), Block(d, rngs, dtype)])
+        self.shared = self.blocks[0]
+        self.bn = nnx.BatchNorm(d, rngs=rngs, dtype=dtype)
+
+    def __call__(self, tokens):
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        x = self.shared(x)  # the first block again
+        x = self.bn(x.reshape(-1, x.shape[-1])).reshape(x.shape)
+        return self.embed.attend(x)
+
+
+TOKENS = jnp.asarray(np.random.default_rng(0).integers(0, 16, size=(4, 6)))
+
+
+def loss_fn(model, tokens):
+    logits = model(tokens[:, :-1]).astype(jnp.float32)
+    return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+
+
+def test_fp32_exact_under_arbitrary_per_group_scales():
+    model = Model(nnx.Rngs(0))
+    scaler = alj.adaptive()
+    tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
+    state = tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))
+    ad = state[0]
+    groups = sorted(ad.log2_scales)
+    assert {"", "embed", "blocks/0", "blocks/0/fc", "bn"} <= set(groups)
+    assert not any(g.startswith("shared") for g in groups)  # shared = blocks/0
+    rng = np.random.default_rng(1)
+    state = (ad._replace(log2_scales={g: jnp.float32(rng.integers(-6, 14)) for g in groups}),
+             state[1])
+    ref_model = Model(nnx.Rngs(0))
+    ref = nnx.grad(loss_fn)(ref_model, TOKENS)
+
+    @nnx.jit
+    def grads(model, state):
+        loss, g, stats = nnx_adaptive_value_and_grad(loss_fn, scaler)(state, model, TOKENS)
+        params = nnx.as_pure(nnx.state(model, nnx.Param))
+        updates, new = tx.update(nnx.as_pure(g), state, params, loss=loss, scale_stats=stats)
+        return updates, new, stats
+
+    updates, new, stats = grads(model, state)
+    assert "blocks/0/fc" in stats and "embed" in stats
+    assert bool(new[0].base.last_applied)
+    for a, b in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(
+            nnx.as_pure(ref))):
+        np.testing.assert_allclose(a, b, rtol=2e-5, atol=1e-7)
+    # BatchNorm's running statistics were written back to the model, as nnx.grad does.
+    np.testing.assert_allclose(model.bn.mean[...], ref_model.bn.mean[...], rtol=1e-6)
+    assert not np.allclose(model.bn.mean[...], 0)
+    # The user's classes were not touched.
+    assert type(model.blocks[0]) is Block and type(model) is Model
+
+
+def test_nnx_train_step_adaptive_fp16_skips_and_learns():
+    model = Model(nnx.Rngs(0), dtype=jnp.float16)
+    optimizer = nnx_optimizer(model, optax.adam(1e-2), alj.adaptive())
+
+    @nnx.jit
+    def step(model, optimizer, tokens, factor):
+        return nnx_train_step(model, optimizer, lambda m, t: loss_fn(m, t) * factor, tokens)
+
+    losses = []
+    for t in range(8):
+        factor = jnp.float32(jnp.inf if t == 3 else 1.0)
+        before = nnx.as_pure(nnx.state(model, nnx.Param))
+        metrics = step(model, optimizer, TOKENS, factor)
+        after = nnx.as_pure(nnx.state(model, nnx.Param))
+        same = all(np.array_equal(a, b) for a, b in zip(jax.tree_util.tree_leaves(before),
+                                                         jax.tree_util.tree_leaves(after)))
+        assert bool(metrics["applied"]) == (t != 3)
+        assert same == (t == 3)
+        if t != 3:
+            losses.append(float(metrics["loss"]))
+    st = alj.flax.nnx_scale_state(optimizer)
+    assert (int(st.total_applied), int(st.total_skipped), int(st.total_nonfinite_loss)) == (
+        7, 1, 1)
+    assert losses[-1] < losses[0]
+    scales = alj.adaptive_state(nnx.as_pure(optimizer.opt_state)).log2_scales
+    assert len({float(v) for v in scales.values()}) > 1  # per-group scales really differ

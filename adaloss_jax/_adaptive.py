@@ -217,41 +217,58 @@ def _leaf_group(path: tuple[str, ...], active: set[str], scaler: AdaptiveScale) 
 # ----------------------------------------------------------------------- scale points
 
 
-def _stats(cts: tuple[jax.Array, ...]) -> jax.Array:
+class _PointConfig(NamedTuple):
+    """Static configuration of a scale point (hashable: a custom_vjp nondiff argument)."""
+
+    row: int  # 0: where the cotangent enters the module (its output); 1: where it leaves
+    convert: bool  # False when the ratio is 1 by construction (same group on both sides)
+    sumsq: bool  # whether the statistic needs the sum of squares (the gaussian rule)
+    fmt_max: float  # the cotangent format's largest finite value
+
+
+def _stats(cts: tuple[jax.Array, ...], factor, cfg: _PointConfig) -> jax.Array:
+    """Statistics of ``factor * ct`` from one read of each cotangent.
+
+    ``amax`` is taken on the cotangent as it is and multiplied by the (power-of-two)
+    factor, which is exact; a NaN or inf propagates through ``max``, and a converted value
+    above the format's max would be inf, so both count as non-finite.
+    """
     amax = jnp.zeros((), jnp.float32)
     sumsq = jnp.zeros((), jnp.float32)
-    count = jnp.zeros((), jnp.float32)
-    bad = jnp.zeros((), jnp.float32)
     for ct in cts:
-        c = ct.astype(jnp.float32)
-        finite = jnp.isfinite(c)
-        c0 = jnp.where(finite, c, 0.0)
-        amax = jnp.maximum(amax, jnp.max(jnp.abs(c0), initial=0.0))
-        sumsq = sumsq + jnp.sum(c0 * c0)
-        count = count + c.size
-        bad = bad + jnp.sum(~finite).astype(jnp.float32)
+        amax = jnp.maximum(amax, jnp.max(jnp.abs(ct), initial=0).astype(jnp.float32))
+        if cfg.sumsq:
+            c = ct.astype(jnp.float32)
+            sumsq = sumsq + jnp.sum(c * c)
+    amax = amax * factor
+    sumsq = sumsq * factor * factor
+    bad = jnp.logical_not(amax <= cfg.fmt_max).astype(jnp.float32)  # NaN compares False
+    count = jnp.float32(sum(ct.size for ct in cts))
     return jnp.stack([amax, sumsq, count, bad])
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scale_point(row: int, xs: tuple, ratio: jax.Array, dummy: jax.Array):
+def _scale_point(cfg: _PointConfig, xs: tuple, ratio: jax.Array, dummy: jax.Array):
     """Identity on ``xs``; backward multiplies the cotangents by ``ratio`` and returns
     their statistics (measured at the module's scale) as ``dummy``'s cotangent."""
     del ratio, dummy
     return xs
 
 
-def _scale_point_fwd(row, xs, ratio, dummy):
+def _scale_point_fwd(cfg, xs, ratio, dummy):
     del dummy
     return xs, ratio
 
 
-def _scale_point_bwd(row, ratio, cts):
-    converted = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
+def _scale_point_bwd(cfg, ratio, cts):
+    if cfg.convert:
+        converted = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
+    else:
+        converted = cts
     # Row 0 measures after entering the module's scale, row 1 before leaving it.
-    measured = converted if row == 0 else cts
-    stats = _reduce_over_mapped_axes(_stats(measured), cts)
-    stats = jnp.zeros((2, _NSTATS), jnp.float32).at[row].set(stats)
+    factor = ratio if (cfg.row == 0 and cfg.convert) else jnp.float32(1.0)
+    stats = _reduce_over_mapped_axes(_stats(cts, factor, cfg), cts)
+    stats = jnp.zeros((2, _NSTATS), jnp.float32).at[cfg.row].set(stats)
     return converted, jnp.zeros_like(ratio), stats
 
 
@@ -285,12 +302,12 @@ def _is_float(x) -> bool:
     return isinstance(x, jax.Array | jnp.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
 
 
-def _apply_point(tree, row: int, ratio, dummy):
+def _apply_point(tree, cfg: _PointConfig, ratio, dummy):
     leaves, treedef = jax.tree_util.tree_flatten(tree)
     idx = [i for i, x in enumerate(leaves) if _is_float(x)]
     if not idx:
         return tree
-    out = _scale_point(row, tuple(leaves[i] for i in idx), ratio, dummy)
+    out = _scale_point(cfg, tuple(leaves[i] for i in idx), ratio, dummy)
     leaves = list(leaves)
     for i, x in zip(idx, out):
         leaves[i] = x
@@ -328,13 +345,18 @@ class _Interceptor:
         into = jnp.exp2(self.log2[group] - self.log2[parent])
         back = jnp.exp2(self.log2[parent] - self.log2[group])
         dummy = self.dummies[group]
-        args, kwargs = _apply_point((args, kwargs), 1, back, dummy)
+        convert = group != parent
+        sumsq = self.scaler.statistic == "gaussian"
+        fmt_max = self.scaler.format.max
+        args, kwargs = _apply_point(
+            (args, kwargs), _PointConfig(1, convert, sumsq, fmt_max), back, dummy
+        )
         self.stack.append((group, path))
         try:
             out = next_fun(*args, **kwargs)
         finally:
             self.stack.pop()
-        return _apply_point(out, 0, into, dummy)
+        return _apply_point(out, _PointConfig(0, convert, sumsq, fmt_max), into, dummy)
 
 
 def adaptive_state(opt_state: Any) -> AdaptiveScaleState:
@@ -467,10 +489,10 @@ def adaptive_unscale(
         out = []
         for g, leaf in zip(leaf_groups, leaves):
             x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
-            finite = jnp.isfinite(x)
-            p_amax[g] = jnp.maximum(p_amax[g], jnp.max(jnp.where(finite, jnp.abs(x), 0.0),
-                                                       initial=0.0))
-            p_bad[g] = p_bad[g] | ~jnp.all(finite)
+            # One read per leaf: NaN and inf propagate through max.
+            amax = jnp.max(jnp.abs(x), initial=0.0)
+            p_amax[g] = jnp.maximum(p_amax[g], amax)
+            p_bad[g] = p_bad[g] | ~jnp.isfinite(amax)
             out.append(x * jnp.exp2(-log2[g]))
         updates = jax.tree_util.tree_unflatten(treedef, out)
 

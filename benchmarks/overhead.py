@@ -1,0 +1,145 @@
+"""Overhead of adaptive scaling against dynamic global scaling, side by side.
+
+For a byte-level GPT (the model of ``underflow_table.py``) in fp16, compiles one jitted
+training step per configuration and reports compile time, XLA's temporary memory, the
+host round trips found in the compiled HLO (callbacks, infeed/outfeed, send/recv) and the
+steady-state step time, measured in interleaved rounds so that machine noise hits every
+configuration alike. Ratios are against ``dynamic``.
+
+Run: ``python benchmarks/overhead.py`` (a few minutes on 2 CPU cores);
+``--sizes small,large --layers 2,4,8`` for the growth with depth.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from underflow_table import GPT  # noqa: E402
+
+import adaloss_jax as alj  # noqa: E402
+
+SIZES = {  # name: (layers, d_model, heads, context, batch)
+    "small": (4, 128, 4, 128, 16),  # the text-gpt model of the benchmarks
+    "large": (6, 512, 8, 128, 8),
+}
+CONFIGS = ("dynamic", "adaptive-global", "adaptive")
+HOST_PATTERNS = ("callback", "outfeed", "infeed", " send(", " recv(", "host_compute")
+
+
+def build_step(config: str, model, params):
+    def loss_fn(p, batch):
+        logits = model.apply({"params": p}, batch[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
+
+    inner = optax.adamw(1e-3)
+    if config == "dynamic":
+        tx = alj.loss_scaled(inner, alj.dynamic())
+
+        def step(params, opt_state, batch):
+            loss, grads = alj.value_and_grad(loss_fn)(opt_state, params, batch)
+            updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+            return optax.apply_updates(params, updates), opt_state, loss
+    else:
+        scaler = alj.adaptive(groups="global" if config == "adaptive-global" else "module")
+        tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(inner))
+
+        def step(params, opt_state, batch):
+            loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(
+                opt_state, params, batch
+            )
+            updates, opt_state = tx.update(grads, opt_state, params, loss=loss,
+                                           scale_stats=stats)
+            return optax.apply_updates(params, updates), opt_state, loss
+
+    return tx, step
+
+
+def host_round_trips(hlo_text: str) -> int:
+    return sum(hlo_text.count(p) for p in HOST_PATTERNS)
+
+
+def measure(size: str, layers: int | None, rounds: int, steps: int) -> list[dict]:
+    n_layers, d, heads, ctx, batch = SIZES[size]
+    n_layers = layers or n_layers
+    model = GPT(layers=n_layers, d_model=d, heads=heads, context=ctx, dtype=jnp.float16)
+    rng = np.random.default_rng(0)
+    data = jnp.asarray(rng.integers(0, 256, size=(batch, ctx + 1)), jnp.int32)
+    params = model.init(jax.random.key(0), data[:, :-1])["params"]
+    rows, runners = [], {}
+    for config in CONFIGS:
+        tx, step = build_step(config, model, params)
+        opt_state = tx.init(params)
+        t0 = time.perf_counter()
+        lowered = jax.jit(step).lower(params, opt_state, data)
+        compiled = lowered.compile()
+        compile_s = time.perf_counter() - t0
+        mem = compiled.memory_analysis()
+        temp = getattr(mem, "temp_size_in_bytes", float("nan")) if mem is not None else np.nan
+        trips = host_round_trips(compiled.as_text())
+        state = [params, opt_state]
+        out = compiled(*state, data)  # warm-up
+        jax.block_until_ready(out)
+        runners[config] = (compiled, state)
+        rows.append({"size": size, "layers": n_layers, "d_model": d, "config": config,
+                     "compile_s": compile_s, "temp_bytes": temp, "host_round_trips": trips,
+                     "times": []})
+    for r in range(rounds):
+        for row in rows:
+            compiled, state = runners[row["config"]]
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                p, o, loss = compiled(state[0], state[1], data)
+                state[0], state[1] = p, o
+            jax.block_until_ready(loss)
+            row["times"].append((time.perf_counter() - t0) / steps)
+        print(f"  [{size} L={n_layers}] round {r + 1}/{rounds}", file=sys.stderr)
+    base = rows[0]
+    for row in rows:
+        row["step_ms"] = 1e3 * statistics.median(row["times"])
+        row["step_ratio"] = row["step_ms"] / (1e3 * statistics.median(base["times"]))
+        row["compile_ratio"] = row["compile_s"] / base["compile_s"]
+        row["temp_ratio"] = row["temp_bytes"] / base["temp_bytes"] if base["temp_bytes"] else 1.0
+        row["spread_ms"] = 1e3 * (max(row["times"]) - min(row["times"]))
+    return rows
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--sizes", default="small,large", help=f"comma list of {list(SIZES)}")
+    parser.add_argument("--layers", default="", help="comma list of layer counts (override)")
+    parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=5, help="steps per round")
+    args = parser.parse_args(argv)
+    sizes = [s for s in args.sizes.split(",") if s]
+    for s in sizes:
+        if s not in SIZES:
+            parser.error(f"unknown size {s!r}; valid: {', '.join(SIZES)}")
+    layer_list = [int(x) for x in args.layers.split(",") if x] or [None]
+    print(f"# jax {jax.__version__}, backend {jax.default_backend()}, "
+          f"{os.cpu_count()} CPUs; median of {args.rounds} rounds x {args.steps} steps")
+    header = ("size", "layers", "d", "config", "step ms", "x dyn", "compile s", "x dyn",
+              "temp MiB", "x dyn", "host trips")
+    print("{:<6} {:>6} {:>4} {:<16} {:>8} {:>6} {:>9} {:>6} {:>9} {:>6} {:>10}".format(*header))
+    for size in sizes:
+        for layers in layer_list:
+            for r in measure(size, layers, args.rounds, args.steps):
+                print(f"{r['size']:<6} {r['layers']:>6} {r['d_model']:>4} {r['config']:<16} "
+                      f"{r['step_ms']:>8.1f} {r['step_ratio']:>6.3f} {r['compile_s']:>9.2f} "
+                      f"{r['compile_ratio']:>6.2f} {r['temp_bytes'] / 2**20:>9.1f} "
+                      f"{r['temp_ratio']:>6.2f} {r['host_round_trips']:>10d}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
+

@@ -90,6 +90,9 @@ class AdaptiveScale:
       filter: ``(module_path: tuple[str, ...], module) -> bool``; modules it rejects get
         no scale point and run at their parent's scale. Default: every module that owns
         parameters.
+      simulate: round every cotangent to ``grad_dtype`` where it enters a scale group,
+        after scaling (a *simulation* of fp8 gradients in an fp16/fp32 model; values
+        are rounded to the format and kept in the compute dtype).
     """
 
     statistic: str = "amax"
@@ -102,6 +105,7 @@ class AdaptiveScale:
     max_scale: float = 2.0**64
     backoff: int = 4
     filter: Callable[[tuple[str, ...], Any], bool] | None = None
+    simulate: bool = False
 
     def __post_init__(self):
         if self.statistic not in ("amax", "gaussian"):
@@ -129,6 +133,7 @@ class AdaptiveScale:
                 f"grad_dtype={fmt.name} has fp32's exponent range and needs no loss scaling; "
                 f"use adaloss_jax.no_scaling() (or bf16 without a scaler)"
             )
+        _validation.check_bool("simulate", self.simulate)
         if self.filter is not None and not callable(self.filter):
             raise TypeError(
                 f"filter must be a callable (module_path, module) -> bool, got {self.filter!r}"
@@ -224,6 +229,7 @@ class _PointConfig(NamedTuple):
     convert: bool  # False when the ratio is 1 by construction (same group on both sides)
     sumsq: bool  # whether the statistic needs the sum of squares (the gaussian rule)
     fmt_max: float  # the cotangent format's largest finite value
+    simulate: Any = None  # a dtype to round entering cotangents to (fp8 simulation)
 
 
 def _stats(cts: tuple[jax.Array, ...], factor, cfg: _PointConfig) -> jax.Array:
@@ -265,6 +271,8 @@ def _scale_point_bwd(cfg, ratio, cts):
         converted = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
     else:
         converted = cts
+    if cfg.simulate is not None and cfg.row == 0:
+        converted = tuple(c.astype(cfg.simulate).astype(c.dtype) for c in converted)
     # Row 0 measures after entering the module's scale, row 1 before leaving it.
     factor = ratio if (cfg.row == 0 and cfg.convert) else jnp.float32(1.0)
     stats = _reduce_over_mapped_axes(_stats(cts, factor, cfg), cts)
@@ -348,15 +356,16 @@ class _Interceptor:
         convert = group != parent
         sumsq = self.scaler.statistic == "gaussian"
         fmt_max = self.scaler.format.max
+        sim = self.scaler.format.dtype if self.scaler.simulate else None
         args, kwargs = _apply_point(
-            (args, kwargs), _PointConfig(1, convert, sumsq, fmt_max), back, dummy
+            (args, kwargs), _PointConfig(1, convert, sumsq, fmt_max, sim), back, dummy
         )
         self.stack.append((group, path))
         try:
             out = next_fun(*args, **kwargs)
         finally:
             self.stack.pop()
-        return _apply_point(out, _PointConfig(0, convert, sumsq, fmt_max), into, dummy)
+        return _apply_point(out, _PointConfig(0, convert, sumsq, fmt_max, sim), into, dummy)
 
 
 def adaptive_state(opt_state: Any) -> AdaptiveScaleState:

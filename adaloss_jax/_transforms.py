@@ -163,26 +163,32 @@ def loss_scaled(
     return optax.chain(unscale(policy, axis_name=axis_name), skip_nonfinite(inner))
 
 
+def find_one(tree: Any, kind: type, how_to_build: str) -> Any:
+    """The single instance of ``kind`` inside ``tree`` (e.g. an optimizer state)."""
+    found = [
+        x
+        for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kind))
+        if isinstance(x, kind)
+    ]
+    if len(found) != 1:
+        raise ValueError(
+            f"expected exactly one {kind.__name__} in the optimizer state, found "
+            f"{len(found)}; build the optimizer with {how_to_build} and pass its state"
+        )
+    return found[0]
+
+
 def scale_state(opt_state: Any) -> LossScaleState:
     """Finds the one :class:`LossScaleState` inside an optimizer state.
 
     Accepts a bare ``LossScaleState`` too. Raises ``ValueError`` if there is none or
     more than one.
     """
-    found = [
-        x
-        for x in jax.tree_util.tree_leaves(
-            opt_state, is_leaf=lambda x: isinstance(x, LossScaleState)
-        )
-        if isinstance(x, LossScaleState)
-    ]
-    if len(found) != 1:
-        raise ValueError(
-            f"expected exactly one LossScaleState in the optimizer state, found {len(found)}; "
-            f"build the optimizer with optax.chain(adaloss_jax.unscale(...), "
-            f"adaloss_jax.skip_nonfinite(inner)) and pass its state"
-        )
-    return found[0]
+    return find_one(
+        opt_state,
+        LossScaleState,
+        "optax.chain(adaloss_jax.unscale(...), adaloss_jax.skip_nonfinite(inner))",
+    )
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:

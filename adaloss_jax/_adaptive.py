@@ -64,6 +64,15 @@ from adaloss_jax import _formats, _policies, _transforms, _validation
 from adaloss_jax._policies import LossScaleState
 
 ROOT = ""
+# Slots per statistics key: the calls of one module (or the measure-only points of one
+# context) each get a slot, so that amax is a max over them; calls beyond the last slot
+# add into it (a sum of amaxes: conservative).
+_SLOTS = 4
+
+
+def pow2(n) -> jax.Array:
+    """``2.0 ** n`` exactly, for integer-valued ``n`` (``jnp.exp2`` is not exact on CPU)."""
+    return jnp.ldexp(jnp.float32(1.0), jnp.asarray(n).astype(jnp.int32))
 # Statistics rows: 0 = where the cotangent enters a module (its output), 1 = where it
 # leaves (its inputs). Columns:
 _AMAX, _SUMSQ, _COUNT, _NONFINITE = range(4)
@@ -232,25 +241,29 @@ class _PointConfig(NamedTuple):
     sumsq: bool  # whether the statistic needs the sum of squares (the gaussian rule)
     fmt_max: float  # the cotangent format's largest finite value
     simulate: Any = None  # a dtype to round entering cotangents to (fp8 simulation)
+    slot: int = 0  # which slot of the statistics key this point writes
 
 
 def _stats(cts: tuple[jax.Array, ...], factor, cfg: _PointConfig) -> jax.Array:
-    """Statistics of ``factor * ct`` from one read of each cotangent.
+    """Statistics of ``factor * ct`` (amax, sum of squares, count, non-finite flag).
 
     ``amax`` is taken on the cotangent as it is and multiplied by the (power-of-two)
-    factor, which is exact; a NaN or inf propagates through ``max``, and a converted value
-    above the format's max would be inf, so both count as non-finite.
+    factor, which is exact; a converted value above the format's max would be inf, so
+    it counts as non-finite.
     """
     amax = jnp.zeros((), jnp.float32)
     sumsq = jnp.zeros((), jnp.float32)
+    finite = jnp.asarray(True)
     for ct in cts:
         amax = jnp.maximum(amax, jnp.max(jnp.abs(ct), initial=0).astype(jnp.float32))
+        # Not from max alone: XLA's CPU max reduction can drop a NaN.
+        finite = finite & jnp.all(jnp.isfinite(ct))
         if cfg.sumsq:
             c = ct.astype(jnp.float32)
             sumsq = sumsq + jnp.sum(c * c)
     amax = amax * factor
     sumsq = sumsq * factor * factor
-    bad = jnp.logical_not(amax <= cfg.fmt_max).astype(jnp.float32)  # NaN compares False
+    bad = jnp.logical_not(finite & (amax <= cfg.fmt_max)).astype(jnp.float32)
     count = jnp.float32(sum(ct.size for ct in cts))
     return jnp.stack([amax, sumsq, count, bad])
 
@@ -278,7 +291,7 @@ def _scale_point_bwd(cfg, ratio, cts):
     # Row 0 measures after entering the module's scale, row 1 before leaving it.
     factor = ratio if (cfg.row == 0 and cfg.convert) else jnp.float32(1.0)
     stats = _reduce_over_mapped_axes(_stats(cts, factor, cfg), cts)
-    stats = jnp.zeros((2, _NSTATS), jnp.float32).at[cfg.row].set(stats)
+    stats = jnp.zeros((_SLOTS, 2, _NSTATS), jnp.float32).at[cfg.slot, cfg.row].set(stats)
     return converted, jnp.zeros_like(ratio), stats
 
 
@@ -325,14 +338,26 @@ def _apply_point(tree, cfg: _PointConfig, ratio, dummy):
 
 
 class _Interceptor:
-    """Puts scale points around module calls; records the groups it used (trace time)."""
+    """Puts scale points around module calls (trace time).
+
+    A module call whose path is a scale group gets a full scale point: its cotangents
+    are converted into the group's scale where they enter and back where they leave, and
+    measured at both places. Any other module call (parameter-free, or rejected by the
+    filter) gets a measure-only point on its output, counted in the enclosing group, so
+    that a large cotangent inside a group (attention probabilities, say) is seen.
+    Statistics go to the dummy of the module's own path (or the enclosing one's), one
+    slot per call.
+    """
 
     def __init__(self, scaler, log2_scales, dummies):
         self.scaler = scaler
         self.log2 = log2_scales
         self.dummies = dummies
         self.stack: list[tuple[str, tuple[str, ...]]] = []  # (group, module path)
-        self.used: set[str] = set()
+        self.used: set[str] = set()  # statistics keys written
+        self.calls: dict[str, int] = {}
+        sim = scaler.format.dtype if scaler.simulate else None
+        self.cfg = _PointConfig(0, True, scaler.statistic == "gaussian", scaler.format.max, sim)
 
     def __call__(self, next_fun, args, kwargs, context):
         """The ``flax.linen.intercept_methods`` entry point."""
@@ -341,33 +366,62 @@ class _Interceptor:
             return next_fun(*args, **kwargs)
         return self.wrap(tuple(module.scope.path), module, next_fun, args, kwargs)
 
+    def _slot(self, key: str) -> int:
+        n = self.calls.get(key, 0)
+        self.calls[key] = n + 1
+        self.used.add(key)
+        return min(n, _SLOTS - 1)
+
     def wrap(self, path, module, next_fun, args, kwargs):
         """Runs ``next_fun(*args, **kwargs)`` as a call of the module at ``path``."""
+        if self.stack and self.stack[-1][1] == path:  # a method calling another one
+            return next_fun(*args, **kwargs)
+        key = "/".join(path)
         group = self.scaler.group_of(path)
         parent = self.stack[-1][0] if self.stack else ROOT
-        reentrant = bool(self.stack) and self.stack[-1][1] == path
-        selected = group in self.log2 and (
+        selected = key in self.dummies and group in self.log2 and (
             self.scaler.filter is None or self.scaler.filter(path, module)
         )
-        if reentrant or not selected:
-            return next_fun(*args, **kwargs)
-        self.used.add(group)
-        into = jnp.exp2(self.log2[group] - self.log2[parent])
-        back = jnp.exp2(self.log2[parent] - self.log2[group])
-        dummy = self.dummies[group]
+        if not selected:
+            out = next_fun(*args, **kwargs)
+            ctx_key = "/".join(self.stack[-1][1]) if self.stack else ROOT
+            cfg = self.cfg._replace(row=0, convert=False, simulate=None,
+                                    slot=self._slot(ctx_key))
+            one = jnp.float32(1.0)
+            return _apply_point(out, cfg, one, self.dummies[ctx_key])
+        into = pow2(self.log2[group] - self.log2[parent])
+        back = pow2(self.log2[parent] - self.log2[group])
+        dummy = self.dummies[key]
+        slot = self._slot(key)
         convert = group != parent
-        sumsq = self.scaler.statistic == "gaussian"
-        fmt_max = self.scaler.format.max
-        sim = self.scaler.format.dtype if self.scaler.simulate else None
         args, kwargs = _apply_point(
-            (args, kwargs), _PointConfig(1, convert, sumsq, fmt_max, sim), back, dummy
+            (args, kwargs), self.cfg._replace(row=1, convert=convert, slot=slot), back, dummy
         )
         self.stack.append((group, path))
         try:
             out = next_fun(*args, **kwargs)
         finally:
             self.stack.pop()
-        return _apply_point(out, _PointConfig(0, convert, sumsq, fmt_max, sim), into, dummy)
+        return _apply_point(out, self.cfg._replace(row=0, convert=convert, slot=slot), into,
+                            dummy)
+
+
+def stats_keys(params) -> list[str]:
+    """Keys of the statistics channel: the root and every parameter-owning module path."""
+    keys = {ROOT}
+    for path in _leaf_paths(params):
+        owner = path[:-1]
+        for i in range(1, len(owner) + 1):
+            keys.add("/".join(owner[:i]))
+    return sorted(keys)
+
+
+def _dummies(params) -> dict:
+    return {k: jnp.zeros((_SLOTS, 2, _NSTATS), jnp.float32) for k in stats_keys(params)}
+
+
+def _used_stats(stats: dict, used: set[str]) -> dict:
+    return {k: stats[k] for k in sorted(used | {ROOT})}
 
 
 def adaptive_state(opt_state: Any) -> AdaptiveScaleState:
@@ -395,7 +449,7 @@ def adaptive_value_and_grad(
     ``fun(params, *args, **kwargs)`` must call the linen model's ``apply`` (any number of
     times). Returns ``g(opt_state, params, *args, **kwargs) -> (value, grads, stats)``:
     the unscaled loss (or ``(loss, aux)``), the *scaled* parameter gradients and the
-    per-group statistics; pass both to the optimizer as
+    statistics (keyed by module path); pass both to the optimizer as
     ``tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)``.
     """
     _check_scaler(scaler)
@@ -403,7 +457,6 @@ def adaptive_value_and_grad(
     def wrapped(opt_state, params, *args, **kwargs):
         state = adaptive_state(opt_state)
         log2 = state.log2_scales
-        dummies = {g: jnp.zeros((2, _NSTATS), jnp.float32) for g in log2}
         used: set[str] = set()
 
         def scaled(params, dummies):
@@ -413,12 +466,12 @@ def adaptive_value_and_grad(
             used.update(icpt.used)
             loss, aux = out if has_aux else (out, None)
             loss32 = jnp.asarray(loss).astype(jnp.float32)
-            return loss32 * jnp.exp2(log2[ROOT]), (loss, aux)
+            return loss32 * pow2(log2[ROOT]), (loss, aux)
 
         (_, (loss, aux)), (grads, stats) = jax.value_and_grad(
             scaled, argnums=(0, 1), has_aux=True
-        )(params, dummies)
-        stats = {g: stats[g] for g in sorted(used | {ROOT})}
+        )(params, _dummies(params))
+        stats = _used_stats(stats, used)
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return wrapped
@@ -466,7 +519,7 @@ def adaptive_unscale(
     def update_fn(updates, state, params=None, *, loss=None, scale_stats=None, **extra):
         del params, extra
         log2 = state.log2_scales
-        stats = {} if scale_stats is None else dict(scale_stats)
+        stats = _group_stats({} if scale_stats is None else scale_stats, scaler)
         unknown = sorted(set(stats) - set(log2))
         if unknown:
             raise ValueError(
@@ -491,28 +544,30 @@ def adaptive_unscale(
         out = []
         for g, leaf in zip(leaf_groups, leaves):
             x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
-            # One read per leaf: NaN and inf propagate through max.
-            amax = jnp.max(jnp.abs(x), initial=0.0)
-            p_amax[g] = jnp.maximum(p_amax[g], amax)
-            p_bad[g] = p_bad[g] | ~jnp.isfinite(amax)
-            out.append(x * jnp.exp2(-log2[g]))
+            p_amax[g] = jnp.maximum(p_amax[g], jnp.max(jnp.abs(x), initial=0.0))
+            # Not from max alone: XLA's CPU max reduction can drop a NaN.
+            p_bad[g] = p_bad[g] | ~jnp.all(jnp.isfinite(x))
+            out.append(x * pow2(-log2[g]))
         updates = jax.tree_util.tree_unflatten(treedef, out)
 
         new_log2, new_amax, new_bad = dict(log2), dict(state.log2_amax), dict(state.overflowed)
         # Consecutive overflows back off exponentially harder: backoff * 2**skips_in_a_row.
-        drop = scaler.backoff * jnp.exp2(jnp.minimum(state.base.notfinite_count, 4))
+        drop = scaler.backoff * pow2(jnp.minimum(state.base.notfinite_count, 4))
         grads_finite = jnp.asarray(True)
+        informative = jnp.asarray(False)
         for g in active:
-            st = stats.get(g, jnp.zeros((2, _NSTATS), jnp.float32))
-            amax = _reduce(jnp.maximum(jnp.max(st[:, _AMAX]), p_amax[g]), jax.lax.pmax, axis_name)
-            bad = (jnp.sum(st[:, _NONFINITE]) > 0) | p_bad[g]
+            st = stats.get(g, jnp.zeros((1, 2, _NSTATS), jnp.float32))
+            amax = _reduce(jnp.maximum(jnp.max(st[..., _AMAX]), p_amax[g]), jax.lax.pmax,
+                           axis_name)
+            informative = informative | (amax > 0)
+            bad = (jnp.sum(st[..., _NONFINITE]) > 0) | p_bad[g]
             bad = _reduce(bad.astype(jnp.int32), jax.lax.pmax, axis_name) > 0
             grads_finite = grads_finite & ~bad
             unit_log2_amax = jnp.log2(amax) - log2[g]  # -inf when nothing measured
             target = jnp.floor(log2_max - scaler.margin - unit_log2_amax)
             if scaler.statistic == "gaussian":
-                sumsq = _reduce(st[0, _SUMSQ], jax.lax.psum, axis_name)
-                count = _reduce(st[0, _COUNT], jax.lax.psum, axis_name)
+                sumsq = _reduce(jnp.sum(st[:, 0, _SUMSQ]), jax.lax.psum, axis_name)
+                count = _reduce(jnp.sum(st[:, 0, _COUNT]), jax.lax.psum, axis_name)
                 unit_log2_sigma = 0.5 * jnp.log2(sumsq / jnp.maximum(count, 1.0)) - log2[g]
                 # The smallest power of two the normal model says is enough (ceil: floor
                 # would allow up to 2T), never below 1 (the reference's alpha >= 1).
@@ -533,8 +588,10 @@ def adaptive_unscale(
         new_log2 = {
             g: jnp.where(loss_finite, v, log2[g]) for g, v in new_log2.items()
         }
-        base = _policies._count(state.base, grads_finite, loss_finite)
-        base = base._replace(loss_scale=jnp.exp2(new_log2[ROOT]).astype(jnp.float32))
+        # A step where everything flushed to zero carries no information: skip it (the
+        # blind jump above has already raised the scales).
+        base = _policies._count(state.base, grads_finite & informative, loss_finite)
+        base = base._replace(loss_scale=pow2(new_log2[ROOT]))
         applied = base.last_applied
         nan = jnp.asarray(jnp.nan, jnp.float32)
         updates = jax.tree_util.tree_map(
@@ -543,6 +600,15 @@ def adaptive_unscale(
         return updates, AdaptiveScaleState(base, new_log2, new_amax, new_bad)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def _group_stats(stats: dict, scaler: AdaptiveScale) -> dict:
+    """``{path key: (slots, 2, n)}`` -> ``{group: (m, 2, n)}``, all rows of each group."""
+    rows: dict[str, list] = {}
+    for key, st in stats.items():
+        group = scaler.group_of(tuple(key.split("/"))) if key else ROOT
+        rows.setdefault(group, []).append(jnp.reshape(st, (-1, 2, _NSTATS)))
+    return {g: jnp.concatenate(v) for g, v in rows.items()}
 
 
 def scale_table(opt_state: Any) -> str:

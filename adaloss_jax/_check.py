@@ -71,7 +71,7 @@ def check_gradients(
             opt_state, params, *args, **kwargs
         )
         ref = jax.grad(reference_loss_fn)(params, *args, **kwargs)
-        active = set(stats) | {_adaptive.ROOT}
+        active = set(_adaptive._group_stats(stats, scaler)) | {_adaptive.ROOT}
         out = []
         for path, g, r in zip(
             _adaptive._leaf_paths(grads),
@@ -80,7 +80,7 @@ def check_gradients(
         ):
             group = _adaptive._leaf_group(path, active, scaler)
             leaf_groups.append(group)
-            scale = jax.numpy.exp2(state.log2_scales[group])
+            scale = _adaptive.pow2(state.log2_scales[group])
             out.append(_stats.tensor_stats(r, g, scale, fmt))
         return out
 

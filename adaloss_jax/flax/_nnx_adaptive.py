@@ -100,7 +100,7 @@ def nnx_adaptive_value_and_grad(
     def wrapped(opt_state, model, *args, **kwargs):
         state = _adaptive.adaptive_state(opt_state)
         log2 = state.log2_scales
-        dummies = {g: jnp.zeros((2, _adaptive._NSTATS), jnp.float32) for g in log2}
+        dummies = _adaptive._dummies(nnx.state(model, wrt))
         used: set[str] = set()
 
         def scaled(copy, dummies):
@@ -121,13 +121,13 @@ def nnx_adaptive_value_and_grad(
             used.update(icpt.used)
             loss, aux = out if has_aux else (out, None)
             loss32 = jnp.asarray(loss).astype(jnp.float32)
-            return loss32 * jnp.exp2(log2[_adaptive.ROOT]), (loss, aux)
+            return loss32 * _adaptive.pow2(log2[_adaptive.ROOT]), (loss, aux)
 
         grad_fn = nnx.value_and_grad(
             scaled, argnums=(nnx.DiffState(0, wrt), 1), has_aux=True
         )
         (_, (loss, aux)), (grads, stats) = grad_fn(model, dummies)
-        stats = {g: stats[g] for g in sorted(used | {_adaptive.ROOT})}
+        stats = _adaptive._used_stats(stats, used)
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return wrapped

@@ -41,9 +41,9 @@ How it works (all inside one ``jax.jit``):
   and those upstream that its non-finite cotangents reached (the groups nearer the loss
   are untouched); the next step's statistics set them all again.
 
-``groups="global"`` is the same method with one group: every scale point measures at
-the root scale (ratio 1), giving one statistics-driven global scale, the baseline that
-isolates what per-layer scales add.
+``groups="global"`` (the default) is the same method with one group: every scale point
+measures at the root scale (ratio 1, no conversions), giving one statistics-driven global
+scale, the baseline that isolates what per-layer scales add (``groups="module"``).
 """
 
 from __future__ import annotations
@@ -93,8 +93,11 @@ class AdaptiveScale:
       threshold: ``T``, the tolerated underflow share for ``"gaussian"``.
       margin: binades kept free below the format's max (headroom for a one-step-old scale).
       grad_dtype: the format cotangents are stored in (``u_min``/``u_max`` come from it).
-      groups: ``"module"`` (one scale per parameter-owning module) or ``"global"`` (one
-        statistics-driven scale for everything).
+      groups: ``"global"`` (default: one statistics-driven scale for everything,
+        measured at every module boundary) or ``"module"`` (one scale per
+        parameter-owning module). Default chosen by measurement: on a 4-layer byte GPT
+        (tiny-gradient regime, 3 seeds) and a 16-layer plain MLP both closed the gap to
+        fp32 equally, and per-module costs ~1.2-1.3x step time on CPU against ~1.0x.
       initial_scale: scale of every group before the first statistics.
       min_scale / max_scale: bounds, powers of two.
       backoff: binades a group backs off by when its cotangents or gradients overflow.
@@ -110,7 +113,7 @@ class AdaptiveScale:
     threshold: float = 1e-3
     margin: int = 4
     grad_dtype: Any = "float16"
-    groups: str = "module"
+    groups: str = "global"
     initial_scale: float = 1.0
     min_scale: float = 2.0**-24
     max_scale: float = 2.0**64

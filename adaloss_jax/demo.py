@@ -84,7 +84,7 @@ def run(config: str, data, eval_data, *, steps: int, shift: int, seed: int = 0) 
         "fp16 no scaling": alj.no_scaling(),
         "fp16 dynamic": alj.dynamic(initial_scale=2.0**15, period=100),
         "fp16 adaptive global": alj.adaptive(groups="global"),
-        "fp16 adaptive": alj.adaptive(),
+        "fp16 adaptive per-module": alj.adaptive(groups="module"),
     }[config]
     tiny = 2.0**-shift
     loss_fn = lambda p, ctx, y: _xent(model, p, ctx, y) * tiny
@@ -158,17 +158,20 @@ def main(argv=None) -> int:
         f"loss x 2^-{args.shift} (gradients x 2^{args.shift} before Adam; fp32 unaffected)"
     )
     rows = []
-    configs = ["fp32", "fp16 no scaling", "fp16 dynamic", "fp16 adaptive global", "fp16 adaptive"]
+    configs = [
+        "fp32", "fp16 no scaling", "fp16 dynamic", "fp16 adaptive global",
+        "fp16 adaptive per-module",
+    ]
     for i, config in enumerate(configs, 1):
         print(f"[{i}/{len(configs)}] {config} ...", end="", flush=True, file=sys.stderr)
         rows.append(run(config, train, eval_data, steps=args.steps, shift=args.shift))
         print(f" {rows[-1]['seconds']:.1f}s", file=sys.stderr)
     header = ("config", "eval bits/byte", "grad underflow", "skipped", "scale")
-    print("{:<21} {:>14} {:>15} {:>8} {:>8}".format(*header))
+    print("{:<25} {:>14} {:>15} {:>8} {:>8}".format(*header))
     for r in rows:
         scale = "2^" + str(round(math.log2(r["final_scale"])))
         print(
-            f"{r['config']:<21} {r['eval_bits_per_byte']:>14.3f} {r['grad_underflow']:>14.1%} "
+            f"{r['config']:<25} {r['eval_bits_per_byte']:>14.3f} {r['grad_underflow']:>14.1%} "
             f"{r['skipped']:>8d} {scale:>8}"
         )
     return 0

@@ -11,9 +11,10 @@ these configs, with the same initialisation and batches per seed:
   (``alj.loss_scaled(inner, alj.dynamic(initial_scale=2**15, period=200))``);
 * ``fp16-ada-global``: float16, adaptive scaling with one statistics-driven scale
   (``alj.adaptive(groups="global")``);
-* ``fp16-ada-amax``: float16, adaptive per-module scales, amax rule (``alj.adaptive()``);
+* ``fp16-ada-amax``: float16, adaptive per-module scales, amax rule
+  (``alj.adaptive(groups="module")``);
 * ``fp16-ada-gauss``: float16, adaptive per-module scales, the reference's Gaussian rule
-  (``alj.adaptive(statistic="gaussian")``).
+  (``alj.adaptive(statistic="gaussian", groups="module")``).
 
 Regimes: ``tiny`` (default; the loss multiplied by 2^-20 before differentiation and the
 gradients by 2^20 before AdamW, so fp32 training is unchanged: what a mean over ~10^6
@@ -56,9 +57,9 @@ def make_scaler(config: str):
     if config == "fp16-ada-global":
         return alj.adaptive(groups="global")
     if config == "fp16-ada-amax":
-        return alj.adaptive()
+        return alj.adaptive(groups="module")
     if config == "fp16-ada-gauss":
-        return alj.adaptive(statistic="gaussian")
+        return alj.adaptive(statistic="gaussian", groups="module")
     return None
 
 

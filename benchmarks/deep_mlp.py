@@ -30,8 +30,9 @@ Configs, on the same initialisation and batches per seed:
 * ``fp16-none``: float16 compute, no loss scaling;
 * ``fp16-dynamic``: ``alj.loss_scaled(inner, alj.dynamic(initial_scale=2**15, period=200))``;
 * ``fp16-ada-global``: ``alj.adaptive(groups="global")`` (one statistics-driven scale);
-* ``fp16-ada-module``: ``alj.adaptive()`` (one scale per Dense, amax rule);
-* ``fp16-ada-gauss``: ``alj.adaptive(statistic="gaussian")`` (per Dense, Gaussian rule).
+* ``fp16-ada-module``: ``alj.adaptive(groups="module")`` (one scale per Dense, amax rule);
+* ``fp16-ada-gauss``: ``alj.adaptive(statistic="gaussian", groups="module")`` (per Dense,
+  Gaussian rule).
 
 Reported per config (mean +- sample std over seeds where it is a number): test accuracy
 after the last step (the full 10k test set, evaluated in the config's compute dtype),
@@ -164,8 +165,8 @@ def _xent(model, params, xb, yb):
 def make_scaler(config: str):
     return {
         "fp16-ada-global": lambda: alj.adaptive(groups="global"),
-        "fp16-ada-module": lambda: alj.adaptive(),
-        "fp16-ada-gauss": lambda: alj.adaptive(statistic="gaussian"),
+        "fp16-ada-module": lambda: alj.adaptive(groups="module"),
+        "fp16-ada-gauss": lambda: alj.adaptive(statistic="gaussian", groups="module"),
     }.get(config, lambda: None)()
 
 

@@ -77,7 +77,7 @@ def test_fp32_model_exact_under_arbitrary_per_group_scales(name):
     different groups never meet unconverted (residuals, concat skips, tied embedding,
     reused block, attention q/k/v fan-in, recurrent cell)."""
     _, params, loss_fn, batch = _setup(name, jnp.float32)
-    scaler = alj.adaptive()
+    scaler = alj.adaptive(groups="module")
     groups = alj.param_groups(params, scaler)
     rng = np.random.default_rng(3)
     log2 = {g: int(rng.integers(-8, 16)) for g in groups}
@@ -102,7 +102,7 @@ def test_fp16_model_within_fp16_rounding_of_fp32(name):
     of attention has an exactly-zero true gradient: both give rounding noise there)."""
     _, params, loss16, batch = _setup(name, jnp.float16)
     _, _, loss32, _ = _setup(name, jnp.float32)
-    step, state = _grads_through(alj.adaptive(), loss16, params, batch)
+    step, state = _grads_through(alj.adaptive(groups="module"), loss16, params, batch)
     _, state, _ = step(state, params, *batch)  # warm-up: statistics set the scales
     got, state, _ = step(state, params, *batch)
     assert bool(state[0].base.last_applied)
@@ -126,7 +126,7 @@ def test_tiny_loss_adaptive_at_least_halves_underflow_of_dynamic(name):
     _, _, loss32, _ = _setup(name, jnp.float32)
     tiny = lambda f: (lambda p, x, y: f(p, x, y) * 2.0**-28)
     ref = jax.grad(tiny(loss32))(params, *batch)
-    step, state = _grads_through(alj.adaptive(), tiny(loss16), params, batch)
+    step, state = _grads_through(alj.adaptive(groups="module"), tiny(loss16), params, batch)
     for _ in range(3):  # scale 1: all flushed, blind jump; then measured
         _, state, _ = step(state, params, *batch)
     ada, state, _ = step(state, params, *batch)
@@ -154,7 +154,7 @@ def test_overflow_skips_and_backs_off_the_overflowing_path_only():
     non-finite cotangents reach (Dense_0, the root) back off; the groups nearer the loss
     (Dense_2, Dense_3), whose backward ran before, keep measuring normally."""
     _, params, loss16, batch = _setup("mlp", jnp.float16)
-    scaler = alj.adaptive(backoff=3)
+    scaler = alj.adaptive(backoff=3, groups="module")
     groups = alj.param_groups(params, scaler)
     log2 = {g: 4 for g in groups}
     log2["Dense_1"] = 40  # its cotangents overflow fp16
@@ -185,7 +185,7 @@ def test_update_rule_closed_form():
     """Feed known statistics; the new log2 scales follow the documented formulas."""
     params = {"params": {k: {"w": jnp.zeros((3,))} for k in "abc"}}
     for statistic in ("amax", "gaussian"):
-        scaler = alj.adaptive(statistic=statistic, margin=4, threshold=1e-3)
+        scaler = alj.adaptive(statistic=statistic, margin=4, threshold=1e-3, groups="module")
         tx = alj.adaptive_unscale(scaler)
         state = tx.init(params)
         s_a = 5.0
@@ -237,7 +237,7 @@ def test_frozen_submodule_runs_at_parent_scale():
     frozen = {"other": params["other"]}
     trainable = {k: v for k, v in params.items() if k != "other"}
     loss = lambda p, x, y: loss32({**p, **frozen}, x, y)
-    scaler = alj.adaptive()
+    scaler = alj.adaptive(groups="module")
     groups = alj.param_groups(trainable, scaler)
     assert not any(g.startswith("other") for g in groups)
     log2 = {g: (i * 3) % 11 for i, g in enumerate(groups)}
@@ -250,7 +250,7 @@ def test_frozen_submodule_runs_at_parent_scale():
 
 def test_filter_rejecting_modules_keeps_gradients_exact():
     _, params, loss32, batch = _setup("resnet", jnp.float32)
-    scaler = alj.adaptive(filter=lambda path, module: len(path) <= 1)
+    scaler = alj.adaptive(filter=lambda path, module: len(path) <= 1, groups="module")
     groups = alj.param_groups(params, scaler)
     log2 = {g: (i * 5) % 13 for i, g in enumerate(groups)}
     step, state = _grads_through(scaler, loss32, params, batch, log2)
@@ -264,7 +264,7 @@ def test_filter_rejecting_modules_keeps_gradients_exact():
 def test_nonfinite_loss_skips_without_moving_scales():
     _, params, loss16, batch = _setup("mlp", jnp.float16)
     bad = lambda p, x, y: loss16(p, x, y) * jnp.inf
-    step, state = _grads_through(alj.adaptive(), bad, params, batch, None)
+    step, state = _grads_through(alj.adaptive(groups="module"), bad, params, batch, None)
     _, new, _ = step(state, params, *batch)
     ad = new[0]
     assert not bool(ad.base.last_applied)
@@ -290,7 +290,7 @@ def test_bad_input_is_refused_clearly():
         alj.adaptive_unscale(alj.dynamic())
     # State built for another model.
     _, params, loss32, batch = _setup("mlp", jnp.float32)
-    scaler = alj.adaptive()
+    scaler = alj.adaptive(groups="module")
     tx = alj.adaptive_unscale(scaler)
     other_state = tx.init({"params": {"Elsewhere": {"w": jnp.zeros(2)}}})
     with pytest.raises(ValueError, match="another"):
@@ -301,16 +301,16 @@ def test_bad_input_is_refused_clearly():
 
 def test_scale_table_lists_every_group():
     _, params, loss16, batch = _setup("mlp", jnp.float16)
-    step, state = _grads_through(alj.adaptive(), loss16, params, batch)
+    step, state = _grads_through(alj.adaptive(groups="module"), loss16, params, batch)
     _, state, _ = step(state, params, *batch)
     table = alj.scale_table(state)
-    for g in alj.param_groups(params, alj.adaptive()):
+    for g in alj.param_groups(params, alj.adaptive(groups="module")):
         assert (g or "(root)") in table
 
 
 def test_checkpoint_mid_run_continues_identically(tmp_path):
     _, params, loss16, batch = _setup("gpt_tied_reused_attention", jnp.float16)
-    scaler = alj.adaptive()
+    scaler = alj.adaptive(groups="module")
     tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.adam(1e-2)))
 
     @jax.jit
@@ -334,7 +334,7 @@ def test_gradient_accumulation_with_multisteps():
     """optax.MultiSteps around the adaptive chain: micro-batch gradients are accumulated
     at fixed per-group scales and unscaled once; equals the fp32 mean gradient."""
     _, params, loss32, (x, y) = _setup("resnet", jnp.float32)
-    scaler = alj.adaptive()
+    scaler = alj.adaptive(groups="module")
     tx = optax.MultiSteps(
         optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0))), 2
     )
@@ -363,7 +363,7 @@ def test_gradient_accumulation_with_multisteps():
 def test_check_mode_names_disagreeing_leaves():
     _, params, loss16, batch = _setup("mlp", jnp.float16)
     _, _, loss32, _ = _setup("mlp", jnp.float32)
-    scaler = alj.adaptive()
+    scaler = alj.adaptive(groups="module")
     step, state = _grads_through(scaler, loss16, params, batch)
     _, state, _ = step(state, params, *batch)
     report = alj.check_gradients(loss16, loss32, scaler, state, params, *batch)
@@ -443,7 +443,7 @@ def test_each_call_of_a_module_has_its_own_statistics_slot():
         y1, y2 = model.apply({"params": p}, x, x)
         return jnp.sum(y1) * 1.0 + jnp.sum(y2) * 0.25
 
-    scaler = alj.adaptive()
+    scaler = alj.adaptive(groups="module")
     state = alj.adaptive_unscale(scaler).init(params)
     _, _, stats = jax.jit(alj.adaptive_value_and_grad(loss_fn, scaler))(state, params)
     st = stats["Dense_0"]
@@ -458,7 +458,7 @@ def test_parameter_free_modules_are_measured_in_their_group():
     def loss_fn(p):
         return jnp.sum(model.apply({"params": p}, x * 64.0)) * 8.0
 
-    scaler = alj.adaptive()
+    scaler = alj.adaptive(groups="module")
     state = alj.adaptive_unscale(scaler).init(params)
     _, _, stats = jax.jit(alj.adaptive_value_and_grad(loss_fn, scaler))(state, params)
     # The root module's context holds _Amplify: its output cotangent (8 * W^T 1) is

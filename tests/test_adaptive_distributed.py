@@ -17,7 +17,7 @@ from jax.sharding import PartitionSpec as P
 import adaloss_jax as alj
 
 N = 8
-SCALER = alj.adaptive()
+SCALER = alj.adaptive(groups="module")
 shard_map = getattr(jax, "shard_map", None)
 if shard_map is None:  # older jax
     from jax.experimental.shard_map import shard_map

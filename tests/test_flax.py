@@ -97,7 +97,7 @@ def test_linen_train_step_adaptive_per_module():
     xs, ys = batches()
     params = model.init(jax.random.key(0), xs[0], False)["params"]
     state = TrainState.create(
-        apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=alj.adaptive()
+        apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=alj.adaptive(groups="module")
     )
     assert sorted(alj.adaptive_state(state.opt_state).log2_scales) == ["", "Dense_0", "Dense_1"]
     for t in range(STEPS):

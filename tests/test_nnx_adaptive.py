@@ -49,7 +49,7 @@ def loss_fn(model, tokens):
 
 def test_fp32_exact_under_arbitrary_per_group_scales():
     model = Model(nnx.Rngs(0))
-    scaler = alj.adaptive()
+    scaler = alj.adaptive(groups="module")
     tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
     state = tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))
     ad = state[0]
@@ -84,7 +84,7 @@ def test_fp32_exact_under_arbitrary_per_group_scales():
 
 def test_nnx_train_step_adaptive_fp16_skips_and_learns():
     model = Model(nnx.Rngs(0), dtype=jnp.float16)
-    optimizer = nnx_optimizer(model, optax.adam(1e-2), alj.adaptive())
+    optimizer = nnx_optimizer(model, optax.adam(1e-2), alj.adaptive(groups="module"))
 
     @nnx.jit
     def step(model, optimizer, tokens, factor):

@@ -26,7 +26,7 @@ def host_ops(fn, *args) -> list[str]:
 
 
 def test_adaptive_step_has_no_host_round_trips():
-    scaler = alj.adaptive()
+    scaler = alj.adaptive(groups="module")
     tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.adamw(1e-3)))
 
     def step(params, state, x):

@@ -51,6 +51,7 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -359,6 +360,8 @@ class _Interceptor:
         self.stack: list[tuple[str, tuple[str, ...]]] = []  # (group, module path)
         self.used: set[str] = set()  # statistics keys written
         self.calls: dict[str, int] = {}
+        self.selected = 0  # scale points (not measure-only) inserted
+        self.dtypes: set = set()  # dtypes of the floating module outputs seen
         sim = scaler.format.dtype if scaler.simulate else None
         self.cfg = _PointConfig(0, True, scaler.statistic == "gaussian", scaler.format.max, sim)
 
@@ -387,6 +390,7 @@ class _Interceptor:
         )
         if not selected:
             out = next_fun(*args, **kwargs)
+            self._note_dtypes(out)
             ctx_key = "/".join(self.stack[-1][1]) if self.stack else ROOT
             cfg = self.cfg._replace(row=0, convert=False, simulate=None,
                                     slot=self._slot(ctx_key))
@@ -400,13 +404,49 @@ class _Interceptor:
         args, kwargs = _apply_point(
             (args, kwargs), self.cfg._replace(row=1, convert=convert, slot=slot), back, dummy
         )
+        self.selected += 1
         self.stack.append((group, path))
         try:
             out = next_fun(*args, **kwargs)
         finally:
             self.stack.pop()
+        self._note_dtypes(out)
         return _apply_point(out, self.cfg._replace(row=0, convert=convert, slot=slot), into,
                             dummy)
+
+
+    def _note_dtypes(self, out) -> None:
+        for x in jax.tree_util.tree_leaves(out):
+            if _is_float(x):
+                self.dtypes.add(jnp.dtype(x.dtype))
+
+    def check(self) -> None:
+        """After tracing: refuse a loss that called no module, or a filter that selected
+        none; say once when no fp16/fp8 value crossed a module boundary."""
+        if not self.calls:
+            raise ValueError(
+                "no Flax module was called inside the loss function; the scale points go "
+                "around module calls, so call model.apply(...) (linen) or the model (NNX) "
+                "inside it"
+            )
+        if self.selected == 0:
+            raise ValueError(
+                f"the filter {self.scaler.filter!r} selected no module that owns parameters: "
+                f"no scale point was inserted; pass a filter that accepts at least one module "
+                f"(or filter=None for all)"
+            )
+        narrow = {jnp.dtype(jnp.float16), jnp.dtype(self.scaler.format.dtype)}
+        if not self.dtypes & narrow and "wide" not in _NOTICED:
+            _NOTICED.add("wide")
+            warnings.warn(
+                f"adaloss_jax: no float16 value crossed a module boundary (saw "
+                f"{sorted(d.name for d in self.dtypes)}): bf16/fp32 compute needs no loss "
+                f"scaling; adaloss_jax.no_scaling() (or no scaler) does the same for less",
+                stacklevel=4,
+            )
+
+
+_NOTICED: set[str] = set()
 
 
 def stats_keys(params) -> list[str]:
@@ -466,6 +506,7 @@ def adaptive_value_and_grad(
             icpt = _Interceptor(scaler, log2, dummies)
             with nn.intercept_methods(icpt):
                 out = fun(params, *args, **kwargs)
+            icpt.check()
             used.update(icpt.used)
             loss, aux = out if has_aux else (out, None)
             loss32 = jnp.asarray(loss).astype(jnp.float32)
@@ -510,6 +551,11 @@ def adaptive_unscale(
     )
 
     def init_fn(params):
+        if not jax.tree_util.tree_leaves(params):
+            raise ValueError(
+                "params has no leaves: adaptive_unscale keys its scale groups by the modules "
+                "that own parameters; pass the model's parameters to tx.init"
+            )
         groups = param_groups(params, scaler)
         f32 = lambda v: jnp.asarray(v, jnp.float32)
         return AdaptiveScaleState(

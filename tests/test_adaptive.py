@@ -466,3 +466,24 @@ def test_parameter_free_modules_are_measured_in_their_group():
     w = params["Dense_0"]["kernel"]
     expect = float(jnp.max(jnp.abs(8.0 * w.sum(axis=1))))
     np.testing.assert_allclose(float(jnp.max(stats[""][1:, 0, 0])), expect, rtol=1e-6)
+
+
+def test_bad_setups_are_refused_or_named():
+    _, params, loss32, batch = _setup("mlp", jnp.float32)
+    scaler = alj.adaptive(groups="module")
+    state = alj.adaptive_unscale(scaler).init(params)
+    # A filter that selects nothing.
+    none = alj.adaptive(groups="module", filter=lambda path, module: False)
+    with pytest.raises(ValueError, match="selected no module"):
+        alj.adaptive_value_and_grad(loss32, none)(state, params, *batch)
+    # A loss that calls no module.
+    plain = lambda p, x, y: jnp.sum(p["Dense_0"]["kernel"]) * jnp.sum(x)
+    with pytest.raises(ValueError, match="no Flax module was called"):
+        alj.adaptive_value_and_grad(plain, scaler)(state, params, *batch)
+    # A model without parameters.
+    with pytest.raises(ValueError, match="no leaves"):
+        alj.adaptive_unscale(scaler).init({})
+    # An fp32 model: scaling is not needed, and it says so (once per process).
+    alj._adaptive._NOTICED.discard("wide")
+    with pytest.warns(UserWarning, match="needs no loss"):
+        alj.adaptive_value_and_grad(loss32, scaler)(state, params, *batch)

@@ -118,6 +118,7 @@ def nnx_adaptive_value_and_grad(
             finally:
                 stack.pop()
                 _uninstall(swapped)  # NNX checks the node types on the way out
+            icpt.check()
             used.update(icpt.used)
             loss, aux = out if has_aux else (out, None)
             loss32 = jnp.asarray(loss).astype(jnp.float32)

@@ -108,12 +108,11 @@ def make_tx(config: str, regime: str, lr: float, period: int):
 
 
 def base_state(opt_state):
-    leaves = jax.tree_util.tree_leaves(
-        opt_state, is_leaf=lambda x: isinstance(x, alj.AdaptiveScaleState))
-    for x in leaves:
-        if isinstance(x, alj.AdaptiveScaleState):
-            return x.base, x
-    return alj.scale_state(opt_state), None
+    """The LossScaleState (counters, root scale) and the adaptive state, if any."""
+    try:
+        return alj.scale_state(opt_state), alj.adaptive_state(opt_state)
+    except ValueError:  # a global scaler: no AdaptiveScaleState
+        return alj.scale_state(opt_state), None
 
 
 def run_one(config, seed, args, train_data, val_batches):

@@ -2,8 +2,9 @@
 
 How it works (all inside one ``jax.jit``):
 
-* **Scale groups** are the modules that own parameters (keyed by module path, e.g.
-  ``"Block_0/attn"``), plus the root ``""`` whose scale multiplies the loss. Each group
+* **Scale groups** (``groups="module"``) are the modules that own parameters (keyed by
+  module path, e.g. ``"Block_0/attn"``), plus the root ``""`` whose scale multiplies the
+  loss; with the default ``groups="global"`` there is only the root. Each group
   ``k`` has a power-of-two scale ``S_k = 2**s_k`` kept in fp32 in
   :class:`AdaptiveScaleState`.
 * **Scale points** are ``custom_vjp`` identities that ``flax.linen.intercept_methods``
@@ -16,9 +17,12 @@ How it works (all inside one ``jax.jit``):
   the output head) always meet at one scale, for any graph. Parameters are keyed by
   the module that owns them, so a tied or reused module's gradient contributions are
   all at that module's scale.
-* **Statistics** (amax, sum of squares, count and non-finite count of each cotangent at
+* **Statistics** (amax, sum of squares, count and a non-finite flag of each cotangent at
   the scale points) are returned by the backward pass as the cotangents of zero
-  "dummy" inputs, so ``jax.value_and_grad`` hands them out with no side effects.
+  "dummy" inputs, one per module path with a slot per call, so ``jax.value_and_grad``
+  hands them out with no side effects. Module calls that are not a group of their own
+  (parameter-free modules, or ones the filter rejects) get a measure-only point whose
+  statistics count for the enclosing group.
 * :func:`adaptive_unscale` unscales each parameter leaf by its own group's scale (in
   fp32), checks finiteness, skips exactly as :func:`adaloss_jax.unscale` does, and sets
   each group's next scale from this step's statistics::

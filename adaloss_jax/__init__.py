@@ -8,6 +8,7 @@ from adaloss_jax._adaptive import (
     adaptive_unscale,
     adaptive_value_and_grad,
     param_groups,
+    scale_summary,
     scale_table,
 )
 from adaloss_jax._check import GradientCheck, check_gradients
@@ -56,6 +57,7 @@ __all__ = [
     "adaptive_unscale",
     "adaptive_value_and_grad",
     "param_groups",
+    "scale_summary",
     "scale_table",
     "BFLOAT16",
     "FLOAT16",

@@ -664,6 +664,25 @@ def _group_stats(stats: dict, scaler: AdaptiveScale) -> dict:
     return {g: jnp.concatenate(v) for g, v in rows.items()}
 
 
+def scale_summary(opt_state: Any) -> dict:
+    """The adaptive state as plain Python data for logs (call outside jit).
+
+    Keys: ``log2_group_scales``, ``log2_unit_amax``, ``overflowed`` (``{group: value}``)
+    and ``group_log2_min_med_max`` over the non-root groups (the root if it is alone).
+    """
+    st = jax.device_get(adaptive_state(opt_state))
+    groups = {g: float(v) for g, v in st.log2_scales.items()}
+    vals = sorted(v for g, v in groups.items() if g) or [groups[ROOT]]
+    mid = len(vals) // 2
+    median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+    return {
+        "log2_group_scales": groups,
+        "log2_unit_amax": {g: float(v) for g, v in st.log2_amax.items()},
+        "overflowed": {g: bool(v) for g, v in st.overflowed.items()},
+        "group_log2_min_med_max": [vals[0], median, vals[-1]],
+    }
+
+
 def scale_table(opt_state: Any) -> str:
     """The per-group scales and last statistics as a text table (call outside jit)."""
     st = adaptive_state(opt_state)

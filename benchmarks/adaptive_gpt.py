@@ -164,14 +164,9 @@ def run_one(config, seed, args, train_data, val_batches):
         "first_step_s": t_first, "s_per_step": t_steady,
     }
     if ada is not None:
-        groups = {g: float(v) for g, v in ada.log2_scales.items()}
-        row["log2_group_scales"] = groups
-        row["log2_unit_amax"] = {g: float(v) for g, v in ada.log2_amax.items()}
-        row["overflowed"] = {g: bool(v) for g, v in ada.overflowed.items()}
-        vals = [v for g, v in groups.items() if g] or [groups[""]]
-        row["group_log2_min_med_max"] = [min(vals), float(np.median(vals)), max(vals)]
+        row.update(alj.scale_summary(ada))
         row["bounds_hit"] = sorted(
-            g or "(root)" for g, v in groups.items() if v <= -24 or v >= 64)
+            g or "(root)" for g, v in row["log2_group_scales"].items() if v <= -24 or v >= 64)
     return row
 
 

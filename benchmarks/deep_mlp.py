@@ -302,12 +302,8 @@ def run_one(runner: Runner, seed: int, args, batches, probe, test):
         "loss_every_50": [float(x) for x in losses[::50]],
     }
     if ada is not None:
-        groups = {g: float(v) for g, v in ada.log2_scales.items()}
-        row["log2_group_scales"] = groups
-        row["log2_unit_amax"] = {g: float(v) for g, v in ada.log2_amax.items()}
-        row["overflowed"] = {g: bool(v) for g, v in ada.overflowed.items()}
-        vals = [v for g, v in groups.items() if g] or [groups[""]]
-        row["group_log2_min_med_max"] = [min(vals), float(np.median(vals)), max(vals)]
+        row.update(alj.scale_summary(ada))
+        groups = row["log2_group_scales"]
         lo, hi = math.log2(runner.scaler.min_scale), math.log2(runner.scaler.max_scale)
         row["bounds_hit"] = sorted(g or "(root)" for g, v in groups.items() if v <= lo or v >= hi)
     return row

@@ -487,3 +487,15 @@ def test_bad_setups_are_refused_or_named():
     alj._adaptive._NOTICED.discard("wide")
     with pytest.warns(UserWarning, match="needs no loss"):
         alj.adaptive_value_and_grad(loss32, scaler)(state, params, *batch)
+
+
+def test_scale_summary_is_plain_data():
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    step, state = _grads_through(alj.adaptive(groups="module"), loss16, params, batch)
+    _, state, _ = step(state, params, *batch)
+    summary = alj.scale_summary(state)
+    groups = summary["log2_group_scales"]
+    assert set(groups) == set(alj.adaptive_state(state).log2_scales)
+    assert all(isinstance(v, float) for v in groups.values())
+    lo, med, hi = summary["group_log2_min_med_max"]
+    assert lo <= med <= hi and lo == min(v for g, v in groups.items() if g)

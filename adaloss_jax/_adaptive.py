@@ -55,7 +55,6 @@ from __future__ import annotations
 import dataclasses
 import functools
 import math
-import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
@@ -221,12 +220,7 @@ def _leaf_paths(tree) -> list[tuple[str, ...]]:
 
 def param_groups(params, scaler: AdaptiveScale) -> list[str]:
     """The scale groups of a parameter tree: the root and every module owning parameters."""
-    groups = {ROOT}
-    for path in _leaf_paths(params):
-        owner = path[:-1]
-        for i in range(1, len(owner) + 1):
-            groups.add(scaler.group_of(owner[:i]))
-    return sorted(groups)
+    return sorted({_key_group(k, scaler) for k in stats_keys(params)})
 
 
 def _leaf_group(path: tuple[str, ...], active: set[str], scaler: AdaptiveScale) -> str:
@@ -440,17 +434,13 @@ class _Interceptor:
                 f"(or filter=None for all)"
             )
         narrow = {jnp.dtype(jnp.float16), jnp.dtype(self.scaler.format.dtype)}
-        if not self.dtypes & narrow and "wide" not in _NOTICED:
-            _NOTICED.add("wide")
-            warnings.warn(
+        if not self.dtypes & narrow:
+            _policies.notice_once(
+                "wide-model",
                 f"adaloss_jax: no float16 value crossed a module boundary (saw "
                 f"{sorted(d.name for d in self.dtypes)}): bf16/fp32 compute needs no loss "
                 f"scaling; adaloss_jax.no_scaling() (or no scaler) does the same for less",
-                stacklevel=4,
             )
-
-
-_NOTICED: set[str] = set()
 
 
 def stats_keys(params) -> list[str]:
@@ -461,6 +451,11 @@ def stats_keys(params) -> list[str]:
         for i in range(1, len(owner) + 1):
             keys.add("/".join(owner[:i]))
     return sorted(keys)
+
+
+def _key_group(key: str, scaler: AdaptiveScale) -> str:
+    """The scale group of a statistics key (a module path joined by "/")."""
+    return scaler.group_of(tuple(key.split("/"))) if key else ROOT
 
 
 def _dummies(params) -> dict:
@@ -645,11 +640,7 @@ def adaptive_unscale(
         # blind jump above has already raised the scales).
         base = _policies._count(state.base, grads_finite & informative, loss_finite)
         base = base._replace(loss_scale=pow2(new_log2[ROOT]))
-        applied = base.last_applied
-        nan = jnp.asarray(jnp.nan, jnp.float32)
-        updates = jax.tree_util.tree_map(
-            lambda u: jnp.where(applied, u, nan.astype(u.dtype)), updates
-        )
+        updates = _transforms.signal_skip(updates, base.last_applied)
         return updates, AdaptiveScaleState(base, new_log2, new_amax, new_bad)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -659,8 +650,7 @@ def _group_stats(stats: dict, scaler: AdaptiveScale) -> dict:
     """``{path key: (slots, 2, n)}`` -> ``{group: (m, 2, n)}``, all rows of each group."""
     rows: dict[str, list] = {}
     for key, st in stats.items():
-        group = scaler.group_of(tuple(key.split("/"))) if key else ROOT
-        rows.setdefault(group, []).append(jnp.reshape(st, (-1, 2, _NSTATS)))
+        rows.setdefault(_key_group(key, scaler), []).append(jnp.reshape(st, (-1, 2, _NSTATS)))
     return {g: jnp.concatenate(v) for g, v in rows.items()}
 
 

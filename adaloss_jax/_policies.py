@@ -236,15 +236,20 @@ LossScalePolicy = NoLossScale | StaticLossScale | DynamicLossScale
 _NOTICED: set[str] = set()
 
 
-def _notice_no_scaling(fmt: _formats.FloatFormat) -> None:
-    if fmt.name in _NOTICED:
+def notice_once(key: str, message: str) -> None:
+    """``warnings.warn(message)`` the first time ``key`` is seen in this process."""
+    if key in _NOTICED:
         return
-    _NOTICED.add(fmt.name)
-    warnings.warn(
+    _NOTICED.add(key)
+    warnings.warn(message, stacklevel=3)
+
+
+def _notice_no_scaling(fmt: _formats.FloatFormat) -> None:
+    notice_once(
+        fmt.name,
         f"adaloss_jax: compute_dtype={fmt.name} has fp32's exponent range, so gradients do "
         f"not underflow and need no loss scaling; using NoLossScale (scale 1). "
         f"Loss scaling is for float16 and fp8.",
-        stacklevel=3,
     )
 
 

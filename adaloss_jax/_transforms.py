@@ -51,6 +51,13 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
+def signal_skip(updates: Any, applied: jax.Array) -> Any:
+    """NaN updates on a skipped step: the signal :func:`skip_nonfinite` acts on."""
+    return jax.tree_util.tree_map(
+        lambda u: jnp.where(applied, u, jnp.asarray(jnp.nan, u.dtype)), updates
+    )
+
+
 def _to_fp32(g: jax.Array) -> jax.Array:
     # Unscaling in fp16 would flush exactly the small values scaling protected.
     return g.astype(jnp.promote_types(g.dtype, jnp.float32))
@@ -113,11 +120,7 @@ def unscale(
         else:
             loss_finite = all_finite(loss, axis_name=axis_name)
         new_state = policy.adjust(state, grads_finite, loss_finite)
-        nan = jnp.asarray(jnp.nan, jnp.float32)
-        updates = jax.tree_util.tree_map(
-            lambda g: jnp.where(new_state.last_applied, g, nan.astype(g.dtype)), updates
-        )
-        return updates, new_state
+        return signal_skip(updates, new_state.last_applied), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

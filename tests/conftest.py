@@ -14,3 +14,13 @@ import pytest  # noqa: E402
 def _seed():
     np.random.seed(0)
     yield
+
+
+@pytest.fixture(scope="module")
+def mesh():
+    """A one-axis ("data") mesh over the 8 CPU devices."""
+    import jax
+
+    if jax.device_count() < 8:
+        pytest.fail(f"expected 8 CPU devices (XLA_FLAGS above), got {jax.device_count()}")
+    return jax.make_mesh((8,), ("data",))

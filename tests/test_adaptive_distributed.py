@@ -18,10 +18,6 @@ import adaloss_jax as alj
 
 N = 8
 SCALER = alj.adaptive(groups="module")
-shard_map = getattr(jax, "shard_map", None)
-if shard_map is None:  # older jax
-    from jax.experimental.shard_map import shard_map
-
 MODEL = MLP(dtype=jnp.float32)
 
 
@@ -30,13 +26,6 @@ def loss_fn(params, x, y):
 
 
 TX = optax.chain(alj.adaptive_unscale(SCALER), alj.skip_nonfinite(optax.adam(1e-2)))
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if jax.device_count() < N:
-        pytest.fail(f"expected {N} CPU devices from tests/conftest.py, got {jax.device_count()}")
-    return jax.make_mesh((N,), ("data",))
 
 
 def _data(steps=4, batch=32):
@@ -95,7 +84,7 @@ def mapped_step(mesh, axis_name):
         # A leading axis of size 1 so that each device's own state comes back.
         return jax.tree_util.tree_map(lambda a: a[None], state)
 
-    f = shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
                   out_specs=P("data"))
     return tx, jax.jit(f)
 

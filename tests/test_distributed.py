@@ -25,18 +25,6 @@ N = 8
 INITIAL = 2.0**10
 POLICY = alj.dynamic(initial_scale=INITIAL, period=2)
 
-shard_map = getattr(jax, "shard_map", None)
-if shard_map is None:  # older jax
-    from jax.experimental.shard_map import shard_map
-
-
-@pytest.fixture(scope="module")
-def mesh():
-    if jax.device_count() < N:
-        pytest.fail(f"expected {N} CPU devices from tests/conftest.py, got {jax.device_count()}")
-    return jax.make_mesh((N,), ("data",))
-
-
 def _stack(tree):
     return jax.tree_util.tree_map(lambda a: jnp.broadcast_to(a, (N,) + a.shape), tree)
 
@@ -56,7 +44,7 @@ def sharded_step(mesh, axis_name):
         w = optax.apply_updates(w, updates)
         return jax.tree_util.tree_map(lambda a: a[None], (w, opt_state))
 
-    f = shard_map(
+    f = jax.shard_map(
         local, mesh=mesh, in_specs=(P("data"), P("data"), P("data"), P()), out_specs=P("data")
     )
     return tx, jax.jit(f)

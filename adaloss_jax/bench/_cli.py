@@ -1,0 +1,195 @@
+"""``python -m adaloss_jax.bench``: the bench command (see ``--help``)."""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import os
+import platform
+import sys
+import time
+
+import jax
+
+from adaloss_jax.bench import _configs, _report, _runner, _tasks
+from adaloss_jax.bench._progress import Progress
+
+EPILOG = """\
+examples:
+  python -m adaloss_jax.bench --quick           # code-gpt, tiny regime, 6 configs, 3 seeds
+  python -m adaloss_jax.bench                   # the full suite (about an hour on 2 cores)
+  python -m adaloss_jax.bench --tasks fmnist-deep --regimes tiny --configs fp32,fp16-dynamic
+  python -m adaloss_jax.bench --list            # tasks and configurations
+
+Results go to --out (default bench-results/): runs.jsonl (raw rows, one per run),
+results.csv, report.md and plots/*.png. Runs already in runs.jsonl with the same task,
+regime, config, seed, steps and model settings are not rerun (--rerun forces them); an
+interrupted bench keeps every run that finished.
+"""
+
+
+def _split(text: str) -> list[str]:
+    return [x.strip() for x in text.split(",") if x.strip()]
+
+
+def _check_names(kind: str, names: list[str], valid) -> None:
+    bad = [n for n in names if n not in valid]
+    if bad:
+        raise SystemExit(f"error: unknown {kind} {', '.join(map(repr, bad))}; valid {kind}: "
+                         f"{', '.join(valid)}")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="python -m adaloss_jax.bench",
+        description="Measure what loss scaling buys: fp32, bf16, fp16 without scaling, "
+                    "dynamic global scaling and adaptive scaling, side by side.",
+        epilog=EPILOG, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true",
+                   help="the README's main job: code-gpt, tiny regime, 6 configs, 3 seeds, "
+                        "fewer steps (under 5 minutes on 2 CPU cores)")
+    p.add_argument("--tasks", help=f"comma-separated; default all: {', '.join(_tasks.TASKS)}")
+    p.add_argument("--regimes", help="comma-separated: ordinary, tiny (default both)")
+    p.add_argument("--configs", help="comma-separated; default: the suite's set per regime")
+    p.add_argument("--seeds", default="0,1,2", help="comma-separated (default 0,1,2)")
+    p.add_argument("--steps", type=int, help="training steps per run (default: per task)")
+    p.add_argument("--out", default="bench-results", help="results folder")
+    p.add_argument("--rerun", action="store_true", help="rerun runs already in the folder")
+    p.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    p.add_argument("--list", action="store_true", help="list tasks and configs, then exit")
+    return p.parse_args(argv)
+
+
+def make_plan(args) -> dict:
+    """``{(task, regime): [configs]}`` in run order."""
+    if args.quick:
+        tasks = _split(args.tasks) if args.tasks else ["code-gpt"]
+        regimes = _split(args.regimes) if args.regimes else ["tiny"]
+    else:
+        tasks = _split(args.tasks) if args.tasks else list(_tasks.TASKS)
+        regimes = _split(args.regimes) if args.regimes else list(_runner.REGIMES)
+    _check_names("tasks", tasks, _tasks.TASKS)
+    _check_names("regimes", regimes, _runner.REGIMES)
+    if args.configs:
+        configs = _split(args.configs)
+        _check_names("configs", configs, _configs.CONFIGS)
+    plan = {}
+    for t in tasks:
+        for r in regimes:
+            if args.configs:
+                plan[(t, r)] = configs
+            else:
+                plan[(t, r)] = list(_configs.QUICK if args.quick else _configs.FULL[r])
+    return plan
+
+
+def _header(args, argv) -> list[str]:
+    cmd = "python -m adaloss_jax.bench" + ("" if not argv else " " + " ".join(argv))
+    dev = jax.devices()[0]
+    return [
+        f"Command: `{cmd}`",
+        "",
+        f"Machine: {platform.machine()}, {os.cpu_count()} CPUs visible, jax {jax.__version__} "
+        f"on {dev.platform} ({dev.device_kind}); Python {platform.python_version()}; "
+        f"written {datetime.datetime.now(datetime.timezone.utc):%Y-%m-%d %H:%M} UTC.",
+    ]
+
+
+def main(argv=None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    args = parse_args(argv)
+    if args.list:
+        print("tasks:")
+        for t in _tasks.TASKS.values():
+            print(f"  {t.name:<15} {t.description} ({t.metric}; {t.steps} steps, "
+                  f"{t.quick_steps} under --quick)")
+        print("configs:")
+        for c in _configs.CONFIGS.values():
+            print(f"  {c.name:<16} {c.description}")
+        print(f"regimes: {', '.join(_runner.REGIMES)}")
+        return 0
+    plan = make_plan(args)
+    try:
+        seeds = [int(s) for s in _split(args.seeds)]
+    except ValueError:
+        raise SystemExit(
+            f"error: --seeds must be comma-separated integers, got {args.seeds!r}") from None
+    if not seeds or (args.steps is not None and args.steps < 2):
+        raise SystemExit("error: need at least one seed and --steps >= 2")
+
+    # Data first: a missing package stops an explicit request, and is skipped (with the
+    # install command) in the default suite.
+    for task in sorted({t for t, _ in plan}):
+        msg = _tasks.TASKS[task].available()
+        if msg is None:
+            continue
+        if args.tasks:
+            raise SystemExit(f"error: task {task}: {msg}")
+        print(f"skipping task {task}: {msg}", file=sys.stderr)
+        plan = {k: v for k, v in plan.items() if k[0] != task}
+    if not plan:
+        raise SystemExit("error: nothing to run")
+
+    os.makedirs(os.path.join(args.out, "plots"), exist_ok=True)
+    raw = os.path.join(args.out, "runs.jsonl")
+    done = {_report.row_key(r) for r in _report.read_rows(raw)}
+
+    def steps_of(task):
+        t = _tasks.TASKS[task]
+        return args.steps or (t.quick_steps if args.quick else t.steps)
+
+    todo = []
+    for (task, regime), configs in plan.items():
+        t = _tasks.TASKS[task]
+        for c in configs:
+            missing = [s for s in seeds if args.rerun or (task, regime, c, s, steps_of(task),
+                                                         t.settings) not in done]
+            if missing:
+                todo.append((task, regime, c, missing))
+    total = sum(steps_of(t) * len(s) for t, _, _, s in todo)
+    n_runs = sum(len(s) for *_, s in todo)
+    print(f"adaloss_jax bench: {len(plan)} task/regime pairs, {n_runs} runs to do "
+          f"({sum(len(v) for v in plan.values()) * len(seeds) - n_runs} already in {raw})",
+          file=sys.stderr)
+    progress = Progress(total)
+    interrupted = False
+    try:
+        for task, regime, config, missing in todo:
+            runner = _runner.Runner(_tasks.TASKS[task], _configs.CONFIGS[config], regime)
+            for seed in missing:
+                progress.label = f"{task} {regime} {config} seed {seed}"
+                t0 = time.perf_counter()
+                row = runner.run(seed, steps_of(task), on_step=progress.step)
+                _report.append_row(raw, row)
+                progress.note(
+                    f"{task:<13} {regime:<8} {config:<16} seed {seed}: {row['metric']} "
+                    f"{row['quality']:.4f}, skipped {row['skipped']}, underflow "
+                    f"{100 * row['mean_underflow_after_warmup']:.2f}%, log2 scale "
+                    f"{row['final_log2_scale']:.0f}, {1e3 * row['s_per_step']:.1f} ms/step "
+                    f"({time.perf_counter() - t0:.0f} s)")
+    except KeyboardInterrupt:
+        interrupted = True
+        progress.note("interrupted: writing the report from the runs that finished")
+    progress.close()
+
+    wanted = {(t, r, c, s, steps_of(t), _tasks.TASKS[t].settings)
+              for (t, r), cs in plan.items() for c in cs for s in seeds}
+    rows = [r for r in _report.read_rows(raw) if _report.row_key(r) in wanted]
+    _report.write_csv(os.path.join(args.out, "results.csv"), rows)
+    plots = {}
+    for (task, regime), configs in plan.items():
+        rs = [r for r in rows if r["task"] == task and r["regime"] == regime]
+        if rs and not args.no_plots:
+            plots[(task, regime)] = _report.plot_group(
+                rs, configs, f"{task}, {regime} regime",
+                os.path.join(args.out, "plots", f"{task}_{regime}"))
+        if rs:
+            print(f"\n{task}, {regime} regime ({_tasks.TASKS[task].metric}; "
+                  f"{len(seeds)} seeds):")
+            print(_report.text_table(rs, configs))
+    if not args.no_plots and rows and not any(plots.values()):
+        print("\n(plots skipped: matplotlib is not installed; pip install matplotlib)")
+    report = os.path.join(args.out, "report.md")
+    _report.write_report(report, plan, rows, _header(args, argv), plots)
+    print(f"\nreport: {report}; raw rows: {raw}; table: {os.path.join(args.out, 'results.csv')}")
+    return 130 if interrupted else 0

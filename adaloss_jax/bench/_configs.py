@@ -1,0 +1,80 @@
+"""Bench configurations: a compute dtype and a way of scaling the loss.
+
+Every configuration trains the same model definition (fp32 master weights) with only the
+compute dtype and the scaler switched. Dynamic global scaling starts at 2^15 and doubles
+after 200 finite steps (jmp's ``period=200``; flax ``DynamicScale(growth_interval=199)``
+is the same trajectory, one step later), halving and skipping on overflow.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax.numpy as jnp
+
+import adaloss_jax as alj
+
+DYNAMIC_START = 2.0**15
+DYNAMIC_PERIOD = 200
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    """``kind``: "policy" (a global scaler), "flax" (flax's DynamicScale) or "adaptive"."""
+
+    name: str
+    description: str
+    dtype: Any
+    kind: str
+    adaptive: dict | None = None  # keyword arguments of alj.adaptive()
+
+    def policy(self):
+        if self.name == "fp16-dynamic":
+            return alj.dynamic(initial_scale=DYNAMIC_START, period=DYNAMIC_PERIOD)
+        return alj.no_scaling()
+
+    def scaler(self) -> alj.AdaptiveScale:
+        return alj.adaptive(**self.adaptive)
+
+
+def _ada(name, description, **kwargs) -> Config:
+    return Config(name, description, jnp.float16, "adaptive", kwargs)
+
+
+_E5M2 = {"grad_dtype": jnp.float8_e5m2, "simulate": True}
+_E4M3 = {"grad_dtype": jnp.float8_e4m3fn, "simulate": True}
+
+CONFIGS: dict[str, Config] = {
+    c.name: c
+    for c in (
+        Config("fp32", "float32 compute, no scaling (the reference)", jnp.float32, "policy"),
+        Config("bf16", "bfloat16 compute, no scaling (fp32's exponent range)", jnp.bfloat16,
+               "policy"),
+        Config("fp16-none", "float16 compute, no loss scaling", jnp.float16, "policy"),
+        Config("fp16-dynamic", "float16, dynamic global scaling (alj.dynamic, period 200)",
+               jnp.float16, "policy"),
+        Config("fp16-flax", "float16, flax DynamicScale (growth_interval 199): the anchor",
+               jnp.float16, "flax"),
+        _ada("fp16-ada-global", "float16, one statistics-driven scale (adaptive, amax rule)",
+             groups="global"),
+        _ada("fp16-ada-module", "float16, adaptive per-module scales, amax rule",
+             groups="module"),
+        _ada("fp16-ada-gauss", "float16, adaptive per-module scales, the reference's "
+             "Gaussian rule", groups="module", statistic="gaussian"),
+        _ada("e5m2-global", "float16 model, cotangents rounded to fp8 e5m2 at module "
+             "outputs; one statistics-driven scale", groups="global", **_E5M2),
+        _ada("e5m2-module", "as e5m2-global with per-module scales", groups="module", **_E5M2),
+        _ada("e4m3-global", "float16 model, cotangents rounded to fp8 e4m3fn at module "
+             "outputs; one statistics-driven scale", groups="global", **_E4M3),
+        _ada("e4m3-module", "as e4m3-global with per-module scales", groups="module", **_E4M3),
+    )
+}
+
+# What --quick runs (on code-gpt, tiny regime) and what the full suite runs per regime.
+QUICK = ("fp32", "bf16", "fp16-none", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module")
+FULL = {
+    "ordinary": ("fp32", "bf16", "fp16-none", "fp16-dynamic", "fp16-flax", "fp16-ada-global",
+                 "fp16-ada-module", "fp16-ada-gauss"),
+    "tiny": tuple(CONFIGS),
+}

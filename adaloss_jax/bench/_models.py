@@ -1,0 +1,162 @@
+"""The bench's Flax linen models: a byte-level GPT, a small ResNet, a deep plain MLP.
+
+Each takes ``dtype``, the compute dtype; parameters stay float32 (master weights), so the
+same definition serves every configuration with only the compute dtype switched.
+"""
+
+from __future__ import annotations
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+# ------------------------------------------------------------------------------ GPT
+
+
+class Scores(nn.Module):
+    """Attention scores ``q k^T / sqrt(d_head)``: a module so that its cotangent is seen."""
+
+    @nn.compact
+    def __call__(self, q, k):
+        return jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
+
+
+class Probs(nn.Module):
+    """Causal softmax, computed in fp32 and returned in the compute dtype."""
+
+    @nn.compact
+    def __call__(self, scores):
+        t = scores.shape[-1]
+        mask = jnp.tril(jnp.ones((t, t), bool))
+        s = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
+        return jax.nn.softmax(s, axis=-1).astype(scores.dtype)
+
+
+class Attention(nn.Module):
+    d_model: int
+    heads: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        b, t, _ = x.shape
+        qkv = nn.Dense(3 * self.d_model, dtype=self.dtype, name="qkv")(x)
+        q, k, v = jnp.split(qkv.reshape(b, t, 3 * self.heads, -1), 3, axis=2)
+        p = Probs(name="probs")(Scores(name="scores")(q, k))
+        o = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, self.d_model)
+        return nn.Dense(self.d_model, dtype=self.dtype, name="proj")(o)
+
+
+class MLP(nn.Module):
+    d_model: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(4 * self.d_model, dtype=self.dtype, name="fc1")(x)
+        return nn.Dense(self.d_model, dtype=self.dtype, name="fc2")(nn.gelu(h))
+
+
+class Block(nn.Module):
+    d_model: int
+    heads: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + Attention(self.d_model, self.heads, self.dtype, name="attn")(
+            nn.LayerNorm(dtype=self.dtype, name="ln1")(x))
+        return x + MLP(self.d_model, self.dtype, name="mlp")(
+            nn.LayerNorm(dtype=self.dtype, name="ln2")(x))
+
+
+class GPT(nn.Module):
+    """Byte-level pre-LN GPT with a tied embedding (the output head is ``embed.attend``)."""
+
+    layers: int = 2
+    d_model: int = 64
+    heads: int = 4
+    context: int = 64
+    dtype: jnp.dtype = jnp.float16
+
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(256, self.d_model, dtype=self.dtype, name="embed")
+        pos = self.param("pos", nn.initializers.normal(0.02), (self.context, self.d_model))
+        x = embed(tokens) + pos[: tokens.shape[1]].astype(self.dtype)
+        for i in range(self.layers):
+            x = Block(self.d_model, self.heads, self.dtype, name=f"block_{i}")(x)
+        x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
+        return embed.attend(x)  # logits in the compute dtype
+
+
+# --------------------------------------------------------------------------- ResNet
+
+
+class ResBlock(nn.Module):
+    """Two 3x3 convolutions with BatchNorm and an identity (or 1x1 projection) skip."""
+
+    features: int
+    strides: int
+    dtype: jnp.dtype
+
+    @nn.compact
+    def __call__(self, x, train: bool):
+        norm = lambda name: nn.BatchNorm(  # noqa: E731
+            use_running_average=not train, momentum=0.9, dtype=self.dtype, name=name)
+        y = nn.Conv(self.features, (3, 3), self.strides, use_bias=False, dtype=self.dtype,
+                    name="conv1")(x)
+        y = nn.relu(norm("bn1")(y))
+        y = nn.Conv(self.features, (3, 3), use_bias=False, dtype=self.dtype, name="conv2")(y)
+        y = norm("bn2")(y)
+        if x.shape != y.shape:
+            x = nn.Conv(self.features, (1, 1), self.strides, use_bias=False, dtype=self.dtype,
+                        name="proj")(x)
+            x = norm("bn_proj")(x)
+        return nn.relu(x + y)
+
+
+class ResNet(nn.Module):
+    """A small ResNet for 28x28 images: a stem, one residual block per stage, mean pool."""
+
+    widths: tuple[int, ...] = (8, 16, 32)
+    classes: int = 10
+    dtype: jnp.dtype = jnp.float16
+
+    @nn.compact
+    def __call__(self, x, train: bool = True):
+        x = x.astype(self.dtype)
+        x = nn.Conv(self.widths[0], (3, 3), use_bias=False, dtype=self.dtype, name="stem")(x)
+        x = nn.relu(nn.BatchNorm(use_running_average=not train, momentum=0.9, dtype=self.dtype,
+                                 name="bn_stem")(x))
+        for i, w in enumerate(self.widths):
+            x = ResBlock(w, 1 if i == 0 else 2, self.dtype, name=f"stage_{i}")(x, train)
+        x = jnp.mean(x, axis=(1, 2))
+        return nn.Dense(self.classes, dtype=self.dtype, name="head")(x)
+
+
+# ------------------------------------------------------------------------ deep MLP
+
+
+class DeepMLP(nn.Module):
+    """``depth`` x (Dense(width) + ReLU), no normalisation, then Dense(classes).
+
+    ``init_scheme="he"`` (He-normal hidden kernels) trains steadily; ``"lecun"`` (flax's
+    default) shrinks the signal ~2^-8 over 16 ReLU layers, and some fp32 seeds do not
+    learn at all.
+    """
+
+    depth: int = 16
+    width: int = 256
+    classes: int = 10
+    dtype: jnp.dtype = jnp.float16
+    init_scheme: str = "he"
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        inits = {"he": nn.initializers.he_normal, "lecun": nn.initializers.lecun_normal}
+        kinit = inits[self.init_scheme]()
+        for _ in range(self.depth):
+            x = nn.relu(nn.Dense(self.width, dtype=self.dtype, kernel_init=kinit)(x))
+        return nn.Dense(self.classes, dtype=self.dtype)(x)

@@ -146,6 +146,8 @@ def main(argv=None) -> int:
                                                          t.settings) not in done]
             if missing:
                 todo.append((task, regime, c, missing))
+    # The tiny regime (where the configurations differ) first, for every task.
+    todo.sort(key=lambda x: _runner.REGIMES.index(x[1]))
     total = sum(steps_of(t) * len(s) for t, _, _, s in todo)
     n_runs = sum(len(s) for *_, s in todo)
     print(f"adaloss_jax bench: {len(plan)} task/regime pairs, {n_runs} runs to do "

@@ -74,7 +74,7 @@ CONFIGS: dict[str, Config] = {
 # What --quick runs (on code-gpt, tiny regime) and what the full suite runs per regime.
 QUICK = ("fp32", "bf16", "fp16-none", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module")
 FULL = {
-    "ordinary": ("fp32", "bf16", "fp16-none", "fp16-dynamic", "fp16-flax", "fp16-ada-global",
-                 "fp16-ada-module", "fp16-ada-gauss"),
+    "ordinary": ("fp32", "bf16", "fp16-none", "fp16-dynamic", "fp16-ada-global",
+                 "fp16-ada-module"),
     "tiny": tuple(CONFIGS),
 }

@@ -31,7 +31,7 @@ from adaloss_jax.bench._configs import Config
 from adaloss_jax.bench._tasks import Task
 
 TINY_SHIFT = 20
-REGIMES = ("ordinary", "tiny")
+REGIMES = ("tiny", "ordinary")
 
 
 def probe_steps(steps: int) -> list[int]:

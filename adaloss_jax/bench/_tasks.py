@@ -7,7 +7,7 @@ task               model and data                                              q
                    Python standard library's source (always present)            (held out)
 ``text-gpt``       the same GPT on the Python docs' reStructuredText sources    bits/byte
                    (Debian ``python3-doc``)
-``fmnist-resnet``  small ResNet with BatchNorm (3 stages, 8-16-32 channels)     test
+``fmnist-resnet``  small ResNet with BatchNorm (stride-2 stem, 8-16-32 ch.)    test
                    on Fashion-MNIST (Debian ``dataset-fashion-mnist``)          accuracy
 ``fmnist-deep``    plain 16 x 256 ReLU MLP, no normalisation, on Fashion-MNIST  test
                    (per-layer gradient magnitudes spread widely)                accuracy
@@ -216,12 +216,12 @@ TASKS: dict[str, Task] = {
             make_model=lambda dtype: _models.ResNet(dtype=dtype),
             make_optimizer=lambda: optax.adamw(2e-3, weight_decay=1e-4),
             loader=_fmnist_loader((28, 28, 1), train_flag=True),
-            settings=f"resnet8-16-32-b{FMNIST_BATCH}-adamw2e-3",
+            settings=f"resnet-s2-8-16-32-b{FMNIST_BATCH}-adamw2e-3",
         ),
         Task(
             name="fmnist-deep",
             description="plain 16 x 256 ReLU MLP (no normalisation) on Fashion-MNIST",
-            metric="accuracy", higher_is_better=True, steps=600, quick_steps=200,
+            metric="accuracy", higher_is_better=True, steps=400, quick_steps=200,
             make_model=lambda dtype: _models.DeepMLP(dtype=dtype),
             make_optimizer=lambda: optax.sgd(0.01, momentum=0.9),
             loader=_fmnist_loader((784,), train_flag=False),

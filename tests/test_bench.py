@@ -1,0 +1,178 @@
+"""Tests of the bench (adaloss_jax.bench): CLI, runner, regimes, data, report, progress."""
+
+import dataclasses
+import io
+import json
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from adaloss_jax.bench import _cli, _configs, _data, _models, _progress, _report, _runner, _tasks
+
+STEPS = 4
+
+
+@pytest.fixture
+def small_gpt(monkeypatch):
+    """code-gpt with a one-block d=32 GPT, so that the compiles stay short."""
+    task = dataclasses.replace(
+        _tasks.TASKS["code-gpt"],
+        make_model=lambda dtype: _models.GPT(layers=1, d_model=32, heads=2, context=64,
+                                             dtype=dtype),
+        settings="test-gpt-1x32")
+    monkeypatch.setitem(_tasks.TASKS, "code-gpt", task)
+    return task
+
+
+def _lines(path):
+    with open(path) as f:
+        return [json.loads(x) for x in f if x.strip()]
+
+
+def test_cli_end_to_end_and_resume(small_gpt, tmp_path, capsys):
+    out = str(tmp_path / "res")
+    argv = ["--tasks", "code-gpt", "--regimes", "tiny", "--configs",
+            "fp32,fp16-none,fp16-ada-module", "--seeds", "0", "--steps", str(STEPS),
+            "--out", out]
+    assert _cli.main(argv) == 0
+    rows = {r["config"]: r for r in _lines(os.path.join(out, "runs.jsonl"))}
+    assert sorted(rows) == ["fp16-ada-module", "fp16-none", "fp32"]
+    for r in rows.values():
+        assert [p["step"] for p in r["probes"]] == _runner.probe_steps(STEPS)
+        assert len(r["loss_curve"]) == STEPS and np.isfinite(r["quality"])
+        assert r["settings"] == "test-gpt-1x32"
+    assert rows["fp32"]["final_underflow"] == 0.0  # fp32 against itself flushes nothing
+    # Tiny regime without scaling: fp16 flushes (most) gradients; the adaptive scaler's
+    # first step flushes everything at scale 1, is skipped, and its scales jump.
+    assert rows["fp16-none"]["final_underflow"] > 0.5
+    ada = rows["fp16-ada-module"]
+    assert ada["probes"][0]["underflow"] == 1.0 and ada["applied_curve"][0] is False
+    assert ada["final_underflow"] < rows["fp16-none"]["final_underflow"]
+    assert len(ada["group_log2_scales"]) > 1 and ada["final_log2_scale"] > 20
+    with open(os.path.join(out, "results.csv")) as f:
+        assert len(f.read().strip().splitlines()) == 4
+    report = open(os.path.join(out, "report.md")).read()
+    for c in rows:
+        assert f"| {c} |" in report
+    for kind in ("loss", "underflow", "scales"):
+        assert os.path.getsize(os.path.join(out, "plots", f"code-gpt_tiny_{kind}.png")) > 1000
+    capsys.readouterr()
+
+    # Finished runs are not rerun.
+    assert _cli.main(argv) == 0
+    assert "0 runs to do (3 already" in capsys.readouterr().err
+    assert len(_lines(os.path.join(out, "runs.jsonl"))) == 3
+
+
+def test_tiny_regime_leaves_fp32_unchanged(small_gpt):
+    """The 2^-20 loss multiplier and the 2^20 gradient multiplier cancel exactly in fp32."""
+    fp32 = _configs.CONFIGS["fp32"]
+    tiny = _runner.Runner(small_gpt, fp32, "tiny").run(1, 3)
+    ordinary = _runner.Runner(small_gpt, fp32, "ordinary").run(1, 3)
+    np.testing.assert_allclose(tiny["loss_curve"], ordinary["loss_curve"], rtol=1e-6)
+    np.testing.assert_allclose(tiny["quality"], ordinary["quality"], rtol=1e-6)
+
+
+def test_interrupted_bench_keeps_finished_runs(small_gpt, tmp_path, monkeypatch):
+    real_run = _runner.Runner.run
+    calls = []
+
+    def run(self, seed, steps, on_step=None):
+        calls.append(seed)
+        if len(calls) > 1:
+            raise KeyboardInterrupt
+        return real_run(self, seed, steps, on_step)
+
+    monkeypatch.setattr(_runner.Runner, "run", run)
+    out = str(tmp_path / "res")
+    code = _cli.main(["--tasks", "code-gpt", "--regimes", "ordinary", "--configs", "fp32",
+                      "--seeds", "0,1", "--steps", "2", "--out", out, "--no-plots"])
+    assert code == 130
+    assert [r["seed"] for r in _lines(os.path.join(out, "runs.jsonl"))] == [0]
+    assert "| fp32 | 1 |" in open(os.path.join(out, "report.md")).read()
+
+
+@pytest.mark.parametrize("argv, valid", [
+    (["--tasks", "nope"], "code-gpt"),
+    (["--configs", "fp32,fp17"], "fp16-ada-module"),
+    (["--regimes", "huge"], "tiny"),
+], ids=["task", "config", "regime"])
+def test_unknown_names_list_the_valid_ones(argv, valid, tmp_path):
+    with pytest.raises(SystemExit, match=f"unknown .*valid .*{valid}"):
+        _cli.main([*argv, "--out", str(tmp_path)])
+
+
+def test_missing_package_says_how_to_install(monkeypatch, tmp_path):
+    monkeypatch.setattr(_data, "_DOC_GLOB", str(tmp_path / "nothing*"))
+    task = dataclasses.replace(_tasks.TASKS["text-gpt"])
+    monkeypatch.setitem(_tasks.TASKS, "text-gpt", task)
+    with pytest.raises(SystemExit, match="apt-get install -y python3-doc"):
+        _cli.main(["--tasks", "text-gpt", "--out", str(tmp_path)])
+    with pytest.raises(_data.DataUnavailable, match="dataset-fashion-mnist"):
+        _data.load_fashion_mnist(str(tmp_path))
+
+
+def test_list(capsys):
+    assert _cli.main(["--list"]) == 0
+    text = capsys.readouterr().out
+    for name in (*_tasks.TASKS, *_configs.CONFIGS):
+        assert name in text
+
+
+def test_byte_batches_and_epochs():
+    data = np.arange(1000, dtype=np.uint8)
+    b = _data.byte_batches(data, 3, 8, 5, seed=0)
+    assert b.shape == (5, 3, 9) and b.dtype == np.int32
+    # Every window is a contiguous slice of the data.
+    assert np.all((np.diff(b, axis=-1) % 256) == 1)
+    np.testing.assert_array_equal(b, _data.byte_batches(data, 3, 8, 5, seed=0))
+    idx = _data.epoch_indices(100, 10, 25, seed=0)
+    assert idx.shape == (25, 10)
+    for e in range(2):  # each full epoch visits every example once
+        assert sorted(idx[10 * e: 10 * e + 10].ravel()) == list(range(100))
+
+
+def test_summary_table_gap_and_spread():
+    def row(config, seed, q):
+        return {"config": config, "seed": seed, "metric": "bits/byte", "quality": q,
+                "skipped": 0, "mean_underflow_after_warmup": 0.0, "final_underflow": 0.0,
+                "final_log2_scale": 15.0, "s_per_step": 0.01, "diverged": False}
+
+    rows = [row("fp32", 0, 3.0), row("fp32", 1, 3.2), row("fp16-dynamic", 0, 3.3),
+            row("fp16-dynamic", 1, 3.5)]
+    table = _report.summary_table(rows, ["fp32", "fp16-dynamic"])
+    # mean 3.4, sample std sqrt(0.02) = 0.1414, gap 3.4 - 3.1 = +0.3
+    assert "| fp16-dynamic | 2 | 3.4000 ± 0.1414 | +0.3000 | 0/0 |" in table
+
+
+def test_progress_without_terminal():
+    stream = io.StringIO()
+    p = _progress.Progress(10, stream=stream, every_s=0.0)
+    p.label = "code-gpt tiny fp32 seed 0"
+    for _ in range(5):
+        p.step()
+    p.note("done")
+    p.close()
+    text = stream.getvalue()
+    assert " 50.0%" in text and "code-gpt tiny fp32 seed 0" in text and "done\n" in text
+
+
+@pytest.mark.skipif(not os.path.isdir(_data.FASHION_MNIST_DIR),
+                    reason="dataset-fashion-mnist is not installed")
+def test_resnet_with_batchnorm_under_adaptive_scaling():
+    task = _tasks.TASKS["fmnist-resnet"]
+    runner = _runner.Runner(task, _configs.CONFIGS["fp16-ada-module"], "tiny")
+    carry = runner.init(0)
+    row = runner.run(0, 3)
+    assert row["skipped"] == 1 and not row["diverged"]  # only the blind first step
+    assert np.isfinite(row["quality"]) and row["final_underflow"] < 0.01
+    # BatchNorm statistics: kept on the skipped first step, moved on the next (applied).
+    batch = task.batches(0, 2)
+    first = runner.step(carry, batch(0))[0]
+    second = runner.step(first, batch(1))[0]
+    mean = lambda c: np.asarray(c[1]["batch_stats"]["bn_stem"]["mean"])  # noqa: E731
+    assert carry[1]["batch_stats"]["bn_stem"]["mean"].dtype == jnp.float32
+    np.testing.assert_array_equal(mean(first), mean(carry))
+    assert not np.allclose(mean(second), mean(first))

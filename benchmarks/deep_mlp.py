@@ -62,10 +62,8 @@ Progress goes to stderr; the tables to stdout; ``--json PATH`` writes the raw ro
 from __future__ import annotations
 
 import argparse
-import gzip
 import json
 import math
-import os
 import sys
 import time
 
@@ -73,81 +71,29 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import linen as nn
 
 import adaloss_jax as alj
+from adaloss_jax.bench import _data, _models
 
-DATA_DIR = "/usr/share/datasets/fashion-mnist"
+DATA_DIR = _data.FASHION_MNIST_DIR
 CONFIGS = ("fp32", "fp16-none", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module",
            "fp16-ada-gauss")
 TINY_SHIFT = 20
 
 
-# ----------------------------------------------------------------------------- data
-
-
-def _read_idx(path: str, expect_dims: int) -> np.ndarray:
-    with gzip.open(path, "rb") as f:
-        raw = f.read()
-    magic = int.from_bytes(raw[:4], "big")
-    if magic >> 8 != 0x08 or (magic & 0xFF) != expect_dims:  # 0x08: unsigned byte data
-        raise ValueError(f"{path}: not an idx uint8 file with {expect_dims} dims "
-                         f"(magic {magic:#010x})")
-    dims = [int.from_bytes(raw[4 + 4 * i: 8 + 4 * i], "big") for i in range(expect_dims)]
-    data = np.frombuffer(raw, np.uint8, offset=4 + 4 * expect_dims)
-    if data.size != math.prod(dims):
-        raise ValueError(f"{path}: {data.size} bytes of data for dims {dims}")
-    return data.reshape(dims)
+# ---------------------------------------------------------------------- data, model
+# Shared with the bench (adaloss_jax.bench): the idx reader, the epoch order, the model.
+DeepMLP = _models.DeepMLP
+batch_indices = _data.epoch_indices
 
 
 def load_fashion_mnist(data_dir: str = DATA_DIR):
     """``(train_x uint8 [60000, 784], train_y, test_x [10000, 784], test_y)``."""
-    names = {
-        "train_x": "train-images-idx3-ubyte.gz", "train_y": "train-labels-idx1-ubyte.gz",
-        "test_x": "t10k-images-idx3-ubyte.gz", "test_y": "t10k-labels-idx1-ubyte.gz",
-    }
-    missing = [n for n in names.values() if not os.path.isfile(os.path.join(data_dir, n))]
-    if missing:
-        raise SystemExit(
-            f"Fashion-MNIST not found in {data_dir} (missing {', '.join(missing)}).\n"
-            f"Install Debian's package: apt-get install -y dataset-fashion-mnist\n"
-            f"(or pass --data DIR holding the four idx .gz files)")
-    out = {}
-    for key, name in names.items():
-        arr = _read_idx(os.path.join(data_dir, name), 3 if key.endswith("x") else 1)
-        out[key] = arr.reshape(arr.shape[0], -1) if key.endswith("x") else arr
-    return out["train_x"], out["train_y"], out["test_x"], out["test_y"]
-
-
-def batch_indices(n: int, batch: int, steps: int, seed: int) -> np.ndarray:
-    """``[steps, batch]`` indices: shuffled epochs, the same for every config of a seed."""
-    rng = np.random.default_rng(10_000 + seed)
-    per_epoch = n // batch
-    epochs = -(-steps // per_epoch)
-    idx = [rng.permutation(n)[: per_epoch * batch].reshape(per_epoch, batch)
-           for _ in range(epochs)]
-    return np.concatenate(idx)[:steps]
-
-
-# ---------------------------------------------------------------------------- model
-
-
-class DeepMLP(nn.Module):
-    """``depth`` x Dense(width) + ReLU, no normalisation, then Dense(10)."""
-
-    depth: int = 16
-    width: int = 256
-    dtype: jnp.dtype = jnp.float16
-    init_scheme: str = "he"
-
-    @nn.compact
-    def __call__(self, x):
-        x = x.astype(self.dtype)
-        inits = {"he": nn.initializers.he_normal, "lecun": nn.initializers.lecun_normal}
-        kinit = inits[self.init_scheme]()
-        for _ in range(self.depth):
-            x = nn.relu(nn.Dense(self.width, dtype=self.dtype, kernel_init=kinit)(x))
-        return nn.Dense(10, dtype=self.dtype)(x)
+    try:
+        tx, ty, vx, vy = _data.load_fashion_mnist(data_dir)
+    except _data.DataUnavailable as e:
+        raise SystemExit(f"{e}\n(or pass --data DIR holding the four idx .gz files)") from None
+    return tx.reshape(len(tx), -1), ty, vx.reshape(len(vx), -1), vy
 
 
 def _pixels(xb):
@@ -195,8 +141,8 @@ class Runner:
     def __init__(self, config: str, args, train_x, train_y):
         self.config = config
         self.dtype = jnp.float32 if config == "fp32" else jnp.float16
-        self.model = DeepMLP(args.depth, args.width, self.dtype, args.init)
-        ref = DeepMLP(args.depth, args.width, jnp.float32, args.init)
+        self.model = DeepMLP(args.depth, args.width, dtype=self.dtype, init_scheme=args.init)
+        ref = DeepMLP(args.depth, args.width, dtype=jnp.float32, init_scheme=args.init)
         self.multiplier = 2.0**-TINY_SHIFT if args.regime == "tiny" else 1.0
         self.scaler = make_scaler(config)
         self.tx = make_tx(config, args, self.scaler)

@@ -25,13 +25,11 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import glob
 import json
 import math
 import os
 import time
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -39,109 +37,26 @@ import optax
 
 import adaloss_jax as alj
 from adaloss_jax import numerics
+from adaloss_jax.bench import _data, _models
 
 TINY = 2.0**-20
 
 
-# ---------------------------------------------------------------- data
+# ---------------------------------------------------------------- data and model
+# The GPT (Scores / Probs modules so that their cotangents are tapped, Attention and MLP
+# return their last Dense's output) and the corpus live in adaloss_jax.bench.
+GPT, Attention, MLP = _models.GPT, _models.Attention, _models.MLP
 
 
 def load_corpus(seed: int, val_share: float = 0.1) -> tuple[np.ndarray, np.ndarray]:
     """The standard library's top-level ``*.py`` files as bytes, split by file (seeded)."""
-    files = sorted(glob.glob(os.path.join(os.path.dirname(os.__file__), "*.py")))
-    order = np.random.default_rng(seed).permutation(len(files))
-    n_val = max(1, int(len(files) * val_share))
-    parts = {"train": [], "val": []}
-    for rank, i in enumerate(order):
-        with open(files[i], "rb") as f:
-            parts["val" if rank < n_val else "train"].append(f.read())
-    return tuple(np.frombuffer(b"\n".join(parts[k]), np.uint8) for k in ("train", "val"))
+    return _data.split_by_file(_data.stdlib_files(), seed, val_share)
 
 
 def batches(data: np.ndarray, batch: int, context: int, rng: np.random.Generator):
     while True:
         starts = rng.integers(0, len(data) - context - 1, batch)
         yield np.stack([data[s : s + context + 1] for s in starts]).astype(np.int32)
-
-
-# ---------------------------------------------------------------- model
-
-
-class Scores(nn.Module):
-    """Attention scores ``q k^T / sqrt(d_head)``: a module so that its cotangent is tapped."""
-
-    @nn.compact
-    def __call__(self, q, k):
-        return jnp.einsum("bqhd,bkhd->bhqk", q, k) / jnp.sqrt(q.shape[-1]).astype(q.dtype)
-
-
-class Probs(nn.Module):
-    """Causal softmax, computed in fp32 and returned in the compute dtype."""
-
-    @nn.compact
-    def __call__(self, scores):
-        t = scores.shape[-1]
-        mask = jnp.tril(jnp.ones((t, t), bool))
-        s = jnp.where(mask, scores.astype(jnp.float32), -jnp.inf)
-        return jax.nn.softmax(s, axis=-1).astype(scores.dtype)
-
-
-class Attention(nn.Module):
-    d_model: int
-    heads: int
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x):
-        b, t, _ = x.shape
-        qkv = nn.Dense(3 * self.d_model, dtype=self.dtype, name="qkv")(x)
-        q, k, v = jnp.split(qkv.reshape(b, t, 3 * self.heads, -1), 3, axis=2)
-        p = Probs(name="probs")(Scores(name="scores")(q, k))
-        o = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, self.d_model)
-        return nn.Dense(self.d_model, dtype=self.dtype, name="proj")(o)
-
-
-class MLP(nn.Module):
-    d_model: int
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x):
-        h = nn.Dense(4 * self.d_model, dtype=self.dtype, name="fc1")(x)
-        return nn.Dense(self.d_model, dtype=self.dtype, name="fc2")(nn.gelu(h))
-
-
-class Block(nn.Module):
-    d_model: int
-    heads: int
-    dtype: jnp.dtype
-
-    @nn.compact
-    def __call__(self, x):
-        x = x + Attention(self.d_model, self.heads, self.dtype, name="attn")(
-            nn.LayerNorm(dtype=self.dtype, name="ln1")(x))
-        return x + MLP(self.d_model, self.dtype, name="mlp")(
-            nn.LayerNorm(dtype=self.dtype, name="ln2")(x))
-
-
-class GPT(nn.Module):
-    """Byte-level pre-LN GPT with a tied embedding; ``dtype`` is the compute dtype."""
-
-    layers: int = 2
-    d_model: int = 64
-    heads: int = 4
-    context: int = 64
-    dtype: jnp.dtype = jnp.float16
-
-    @nn.compact
-    def __call__(self, tokens):
-        embed = nn.Embed(256, self.d_model, dtype=self.dtype, name="embed")
-        pos = self.param("pos", nn.initializers.normal(0.02), (self.context, self.d_model))
-        x = embed(tokens) + pos[: tokens.shape[1]].astype(self.dtype)
-        for i in range(self.layers):
-            x = Block(self.d_model, self.heads, self.dtype, name=f"block_{i}")(x)
-        x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
-        return embed.attend(x)  # logits in the compute dtype
 
 
 def make_loss(multiplier: float):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 from collections.abc import Callable
 from typing import Any
 
@@ -56,16 +57,39 @@ def check_gradients(
     ``opt_state`` and unscaled per leaf; nothing is updated. Call it outside ``jit`` (it
     jits its own computation) every so often, not every step.
 
-    Note: a leaf whose exact gradient is zero (e.g. the key bias of attention) shows
+    Note: ``rtol`` also catches plain fp16 rounding: a leaf can show a few percent of
+    relative error with no underflow and ample headroom, the same at any power-of-two
+    scale; read ``underflow_rate`` and ``headroom`` before blaming the scales. A leaf
+    whose exact gradient is zero (e.g. the key bias of attention) shows
     fp16 rounding noise against an fp32 reference of about the same noise, so its
     relative error is large for any scaler; read such rows with that in mind.
     """
     _adaptive._check_scaler(scaler)
+    compute, leaf_groups = _compiled(loss_fn, reference_loss_fn, scaler)
+    results = jax.device_get(compute(opt_state, params, args, kwargs))
+    groups = leaf_groups[jax.tree_util.tree_structure(params)]
+    rows, bad = [], []
+    for path, group, st in zip(_adaptive._leaf_paths(params), groups, results):
+        name = "/".join(path)
+        row = {"name": name, "group": group or "(root)"}
+        row.update({k: np.asarray(v).item() for k, v in st.items()})
+        rows.append(row)
+        if not row["rel_error"] <= rtol:
+            bad.append(name)
+    return GradientCheck(rows=rows, disagreeing=bad, rtol=rtol)
+
+
+@functools.lru_cache(maxsize=8)
+def _compiled(loss_fn, reference_loss_fn, scaler):
+    """The jitted comparison, kept per (loss, reference, scaler): repeated checks of one
+    run compile once."""
     fmt = scaler.format
-    leaf_groups: list[str] = []  # filled while tracing: which group each leaf belongs to
+    # Filled while tracing: which group each leaf belongs to, per parameter structure.
+    leaf_groups: dict[Any, list[str]] = {}
 
     @jax.jit
     def compute(opt_state, params, args, kwargs):
+        groups = leaf_groups[jax.tree_util.tree_structure(params)] = []
         state = _adaptive.adaptive_state(opt_state)
         _, grads, stats = _adaptive.adaptive_value_and_grad(loss_fn, scaler)(
             opt_state, params, *args, **kwargs
@@ -79,18 +103,9 @@ def check_gradients(
             jax.tree_util.tree_leaves(ref),
         ):
             group = _adaptive._leaf_group(path, active, scaler)
-            leaf_groups.append(group)
+            groups.append(group)
             scale = _adaptive.pow2(state.log2_scales[group])
             out.append(_stats.tensor_stats(r, g, scale, fmt))
         return out
 
-    results = jax.device_get(compute(opt_state, params, args, kwargs))
-    rows, bad = [], []
-    for path, group, st in zip(_adaptive._leaf_paths(params), leaf_groups, results):
-        name = "/".join(path)
-        row = {"name": name, "group": group or "(root)"}
-        row.update({k: np.asarray(v).item() for k, v in st.items()})
-        rows.append(row)
-        if not row["rel_error"] <= rtol:
-            bad.append(name)
-    return GradientCheck(rows=rows, disagreeing=bad, rtol=rtol)
+    return compute, leaf_groups

@@ -95,6 +95,10 @@ def _like(template_leaf: Any, value: Any) -> Any:
         if len(template_leaf.sharding.device_set) > 1:
             return jax.device_put(value, template_leaf.sharding)
         return jnp.asarray(value, dtype=template_leaf.dtype)
+    if isinstance(template_leaf, bool | int | float):
+        # A Python number in the template (TrainState's step=0) became a weakly typed
+        # array in training; restoring it as one keeps a jitted step from recompiling.
+        return jnp.asarray(np.asarray(value).item())
     return value
 
 

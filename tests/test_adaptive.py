@@ -370,6 +370,9 @@ def test_check_mode_names_disagreeing_leaves():
     assert report.disagreeing == []
     assert len(report.rows) == len(jax.tree_util.tree_leaves(params))
     assert "all leaves within rtol" in str(report)
+    again = alj.check_gradients(loss16, loss32, scaler, state, params, *batch)
+    assert again.rows == report.rows
+    assert alj._check._compiled(loss16, loss32, scaler)[0]._cache_size() == 1  # one compile
     # A loss that flushes (x 2^-40 at the current scales) is caught and named.
     tiny16 = lambda p, x, y: loss16(p, x, y) * 2.0**-40
     tiny32 = lambda p, x, y: loss32(p, x, y) * 2.0**-40

@@ -206,6 +206,9 @@ def test_linen_train_state_checkpoint_continues_identically(tmp_path):
         states.append(state)
     alj.save_state(tmp_path / "ts", states[BAD_STEP])
     restored = alj.load_state(tmp_path / "ts", fresh())
+    # The template's step is a Python int; restored as the weakly typed array training
+    # made of it, so the jitted step does not recompile.
+    assert jax.typeof(restored.step) == jax.typeof(states[BAD_STEP].step)
     assert not bool(restored.loss_scale_state.last_applied)
     for t in range(BAD_STEP + 1, STEPS):
         restored, _ = linen_step(restored, xs[t], ys[t], jnp.asarray(t == BAD_STEP))

@@ -141,10 +141,10 @@ def test_summary_table_gap_and_spread():
                 "final_log2_scale": 15.0, "s_per_step": 0.01, "diverged": False}
 
     rows = [row("fp32", 0, 3.0), row("fp32", 1, 3.2), row("fp16-dynamic", 0, 3.3),
-            row("fp16-dynamic", 1, 3.5)]
+            row("fp16-dynamic", 1, 3.6)]
     table = _report.summary_table(rows, ["fp32", "fp16-dynamic"])
-    # mean 3.4, sample std sqrt(0.02) = 0.1414, gap 3.4 - 3.1 = +0.3
-    assert "| fp16-dynamic | 2 | 3.4000 ± 0.1414 | +0.3000 | 0/0 |" in table
+    # mean 3.45, sample std sqrt(0.045) = 0.2121; paired gaps 0.3 and 0.4: +0.35 ± 0.0707
+    assert "| fp16-dynamic | 2 | 3.4500 ± 0.2121 | +0.3500 ± 0.0707 | 0/0 |" in table
 
 
 def test_progress_without_terminal():

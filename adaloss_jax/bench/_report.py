@@ -78,9 +78,9 @@ def summary_table(rows: list[dict], configs: list[str]) -> str:
     if not rows:
         return "(no results)"
     metric = rows[0]["metric"]
-    ref = [r["quality"] for r in rows if r["config"] == "fp32"]
-    ref_mean = float(np.mean(ref)) if ref else math.nan
-    head = ["config", "seeds", f"{metric} (mean ± std)", "gap to fp32", "skipped (per seed)",
+    ref = {r["seed"]: r["quality"] for r in rows if r["config"] == "fp32"}
+    head = ["config", "seeds", f"{metric} (mean ± std)", "gap to fp32 (paired)",
+            "skipped (per seed)",
             "underflow after warm-up", "final underflow", "final log2 scale", "ms/step",
             "diverged"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -89,12 +89,14 @@ def summary_table(rows: list[dict], configs: list[str]) -> str:
         if not rs:
             continue
         m, s = _mean_std(r["quality"] for r in rs)
-        gap = m - ref_mean
+        # Seeds share initialisation and batches across configs: the per-seed difference
+        # to fp32 is the gap, and its spread is the noise that matters for it.
+        gm, gs = _mean_std(r["quality"] - ref[r["seed"]] for r in rs if r["seed"] in ref)
         uw = float(np.mean([r["mean_underflow_after_warmup"] for r in rs]))
         uf = float(np.mean([r["final_underflow"] for r in rs]))
         lines.append("| " + " | ".join([
             c, str(len(rs)), f"{m:.4f} ± {s:.4f}",
-            "-" if c == "fp32" or not math.isfinite(gap) else f"{gap:+.4f}",
+            "-" if c == "fp32" or not math.isfinite(gm) else f"{gm:+.4f} ± {gs:.4f}",
             "/".join(str(r["skipped"]) for r in rs), _pct(uw), _pct(uf), _scale_cell(rs),
             f"{1e3 * float(np.median([r['s_per_step'] for r in rs])):.1f}",
             f"{sum(r['diverged'] for r in rs)}/{len(rs)}",
@@ -227,6 +229,8 @@ def write_report(path: str, plan: dict, rows: list[dict], header: list[str],
     out += [
         "Quality is measured on held-out data after the last step: bits/byte (lower is "
         "better) for the GPT tasks, test accuracy (higher is better) for Fashion-MNIST. "
+        "The gap to fp32 is the mean and spread over seeds of the per-seed difference "
+        "(a seed's initialisation and batches are the same in every configuration). "
         "*Underflow* is the share of parameter-gradient elements that are non-zero in an "
         "fp32 recomputation of the same step (same weights and batch) and zero in the "
         "configuration's own gradients, on the probed steps (the first two, quarters, the "

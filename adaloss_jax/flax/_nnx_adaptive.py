@@ -100,7 +100,7 @@ def nnx_adaptive_value_and_grad(
     def wrapped(opt_state, model, *args, **kwargs):
         state = _adaptive.adaptive_state(opt_state)
         log2 = state.log2_scales
-        dummies = _adaptive._dummies(nnx.state(model, wrt))
+        dummies = _adaptive._dummies(nnx.state(model, wrt), scaler)
         used: set[str] = set()
 
         def scaled(copy, dummies):

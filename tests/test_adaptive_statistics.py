@@ -1,0 +1,205 @@
+"""Adaptive scaling options: the quantile statistic and recomputing every F steps."""
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import linen as nn
+from test_adaptive import _grads_through, _setup
+
+import adaloss_jax as alj
+
+LOG2_MAX = math.log2(65504.0)  # fp16
+E_MIN = -24  # log2 of fp16's smallest subnormal
+T = 1e-3
+MARGIN = 4
+N = 4096
+
+
+class _Gain(nn.Module):
+    """``x * p``: with ``x = 1`` and the loss ``sum(out * C)``, both the output and the
+    input cotangent and the gradient of ``p`` are exactly ``C`` (times the scale)."""
+
+    @nn.compact
+    def __call__(self, x):
+        return x * self.param("p", nn.initializers.ones, x.shape)
+
+
+@functools.cache
+def _quantile_step(log2_scale: int):
+    """One jitted adaptive step on ``_Gain`` (fp32, global group, quantile statistic)
+    with the cotangent ``C`` as an argument; shared by the crafted-distribution cases."""
+    model = _Gain()
+    x = jnp.ones((N,), jnp.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+    scaler = alj.adaptive(statistic="quantile", threshold=T, margin=MARGIN,
+                          initial_scale=2.0**log2_scale)
+    tx = alj.adaptive_unscale(scaler)
+    state = tx.init(params)
+
+    def loss_fn(p, c):
+        return jnp.sum(model.apply({"params": p}, x) * c)
+
+    @jax.jit
+    def step(c):
+        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(state, params, c)
+        _, new = tx.update(grads, state, params, loss=loss, scale_stats=stats)
+        return new.log2_scales[""], stats[""]
+
+    return step
+
+
+def _reference(c: np.ndarray, s: int) -> tuple[int, int, int, bool]:
+    """fp64 numpy: (expected new log2 scale, amax rule, quantile rule, cut-off tail) for
+    cotangent ``c`` measured at scale ``2**s``.
+
+    Quantile rule: the smallest integer ``q`` with at most ``T * n`` of the ``n`` non-zero
+    ``|c| * 2**q`` below ``2 * u_min``. It has no answer (the amax rule alone applies)
+    when, at the measured scale, at most ``T * n`` are below ``u_min`` but more than
+    ``T * n`` below ``2 * u_min`` (the tail is cut off in the lowest binade).
+    """
+    m = np.abs(c[c != 0]).astype(np.float64)
+    n = m.size
+    amax_rule = math.floor(LOG2_MAX - MARGIN - math.log2(m.max()))
+    binade = np.floor(np.log2(m)).astype(int)  # exact: fp32 values are powers of 2 apart
+    q = next(q for q in range(-200, 200) if np.sum(binade + q < E_MIN + 1) <= T * n)
+    at = binade + s
+    cut = np.sum(at < E_MIN) <= T * n < np.sum(at < E_MIN + 1)
+    return (amax_rule if cut else min(amax_rule, q)), amax_rule, q, bool(cut)
+
+
+def _signed(mags, rng):
+    return (mags * rng.choice([-1.0, 1.0], size=mags.shape)).astype(np.float32)
+
+
+def _case(name, rng):
+    if name == "lognormal":  # log2|c| ~ N(-20, 3): the quantile rule is below the amax cap
+        return _signed(2.0 ** rng.normal(-20.0, 3.0, N), rng), "quantile"
+    if name == "lognormal_with_zeros":  # zeros are not counted
+        c = _signed(2.0 ** rng.normal(-20.0, 3.0, N), rng)
+        c[rng.random(N) < 0.4] = 0.0
+        return c, "quantile"
+    if name == "wide":  # log-uniform over 38 binades: wider than fp16 allows, amax caps it
+        return _signed(2.0 ** rng.uniform(-38.0, 0.0, N), rng), "amax"
+    if name == "cut_off_tail":  # 1% sit exactly at u_min: the tail below is unknown
+        c = _signed(2.0 ** rng.uniform(-10.0, -5.0, N), rng)
+        c[: N // 100] = 2.0**E_MIN
+        return c, "cut"
+    raise ValueError(name)
+
+
+@pytest.mark.parametrize("name", ["lognormal", "lognormal_with_zeros", "wide",
+                                  "cut_off_tail"])
+def test_quantile_scale_matches_numpy_closed_form(name):
+    """End to end under jit: the histogram out of the scale points and the scale chosen
+    from it equal an fp64 numpy computation on the same cotangent."""
+    rng = np.random.default_rng(7)
+    c, branch = _case(name, rng)
+    s = 0
+    got, stats = _quantile_step(s)(jnp.asarray(c))
+    expect, amax_rule, q, cut = _reference(c, s)
+    assert float(got) == expect
+    # The case exercises the branch it is named for.
+    assert {"quantile": q < amax_rule and not cut, "amax": amax_rule < q and not cut,
+            "cut": cut}[branch]
+    # The histogram: both measured cotangents (output and input) are c, at scale 2**s.
+    hist = np.asarray(stats[..., 4:]).sum(axis=(0, 1))
+    nz = c[c != 0]
+    idx = np.clip(np.floor(np.log2(np.abs(nz.astype(np.float64)))).astype(int) + s
+                  - (E_MIN - 16), 0, hist.size - 1)
+    np.testing.assert_array_equal(hist, 2 * np.bincount(idx, minlength=hist.size))
+
+
+def test_quantile_measured_at_the_group_scale():
+    """The same cotangent measured at scale 2**5 gives the same unit-scale answer (the
+    histogram shifts by the scale's exponent, nothing is multiplied)."""
+    rng = np.random.default_rng(8)
+    c, _ = _case("lognormal", rng)
+    c = c * np.float32(2.0**-5)  # the loss the scaled step sees is 2**5 times larger
+    got, _ = _quantile_step(5)(jnp.asarray(c))
+    assert float(got) == _reference(c, 5)[0]
+
+
+@pytest.mark.parametrize("name", ["resnet", "gpt_tied_reused_attention"])
+def test_quantile_statistic_keeps_fp32_gradients_exact(name):
+    """Per-module scales drawn at random: the histogram channel changes no gradient."""
+    _, params, loss_fn, batch = _setup(name, jnp.float32)
+    scaler = alj.adaptive(groups="module", statistic="quantile")
+    groups = alj.param_groups(params, scaler)
+    rng = np.random.default_rng(3)
+    log2 = {g: int(rng.integers(-8, 16)) for g in groups}
+    step, state = _grads_through(scaler, loss_fn, params, batch, log2)
+    got, new_state, stats = step(state, params, *batch)
+    assert bool(new_state[0].base.last_applied)
+    assert all(st.shape[-1] == 4 + 56 for st in stats.values())
+    ref = jax.grad(loss_fn)(params, *batch)
+    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-7)
+
+
+def test_quantile_on_fp16_model_flushes_at_most_about_threshold():
+    """fp16 MLP, loss x 2^-28: after warm-up, the quantile scale is at most the amax
+    scale and the share of non-zero cotangents measured below 2 u_min is at most T
+    (read from the step's own histogram, which is at the scale used)."""
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    tiny = lambda p, x, y: loss16(p, x, y) * 2.0**-28
+    amax_step, amax_state = _grads_through(alj.adaptive(), tiny, params, batch)
+    quant_step, quant_state = _grads_through(alj.adaptive(statistic="quantile"), tiny,
+                                             params, batch)
+    for _ in range(4):
+        _, amax_state, _ = amax_step(amax_state, params, *batch)
+        _, quant_state, stats = quant_step(quant_state, params, *batch)
+    assert bool(quant_state[0].base.last_applied)
+    s_q = float(quant_state[0].log2_scales[""])
+    assert s_q <= float(amax_state[0].log2_scales[""])
+    hist = sum(np.asarray(st[..., 4:]).sum(axis=(0, 1)) for st in stats.values())
+    lo = E_MIN - 16
+    assert hist[: E_MIN + 1 - lo].sum() <= T * hist.sum()
+
+
+def test_interval_closed_form_loop():
+    """interval=F: scales are recomputed on steps where the applied steps so far are a
+    multiple of F and held otherwise; an overflow backs the group that overflowed off at
+    once (the other groups follow the same F-step rhythm)."""
+    F, backoff = 3, 2
+    params = {"params": {k: {"w": jnp.zeros((3,))} for k in "ab"}}
+    scaler = alj.adaptive(groups="module", interval=F, backoff=backoff, margin=MARGIN)
+    tx = alj.adaptive_unscale(scaler)
+    update = jax.jit(functools.partial(tx.update, params=None))
+    state = tx.init(params)
+    rng = np.random.default_rng(5)
+    steps = 12
+    unit = {g: rng.uniform(-30.0, -10.0, steps) for g in "ab"}  # log2 unit amax
+    overflow_a = {4, 5}  # two consecutive overflows of group a
+    s = {g: 0.0 for g in "ab"}
+    applied, skips = 0, 0
+    for t in range(steps):
+        rows = {}
+        for g in "ab":
+            bad = float(g == "a" and t in overflow_a)
+            amax = 2.0 ** (unit[g][t] + float(state.log2_scales[g]))
+            rows[g] = jnp.array([[amax, 0.0, 8.0, bad], [0.0, 0.0, 0.0, 0.0]])
+        rows[""] = jnp.array([[2.0**-3, 0.0, 8.0, 0.0], [0.0] * 4])
+        _, state = update(params, state, scale_stats=rows)
+        skipped = t in overflow_a
+        for g in "ab":
+            if g == "a" and skipped:
+                s[g] -= backoff * 2 ** min(skips, 4)
+            elif applied % F == 0:
+                s[g] = math.floor(LOG2_MAX - MARGIN - unit[g][t])
+        applied, skips = (applied, skips + 1) if skipped else (applied + 1, 0)
+        for g in "ab":
+            assert float(state.log2_scales[g]) == s[g], (t, g)
+        assert int(state.base.total_applied) == applied
+    # The loop really held scales: interval=1 would have moved them on every step.
+    assert applied == steps - len(overflow_a)
+
+
+def test_options_are_validated():
+    with pytest.raises(ValueError, match="interval"):
+        alj.adaptive(interval=0)
+    with pytest.raises(ValueError, match="quantile"):
+        alj.adaptive(statistic="median")

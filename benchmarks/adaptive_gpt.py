@@ -14,7 +14,9 @@ these configs, with the same initialisation and batches per seed:
 * ``fp16-ada-amax``: float16, adaptive per-module scales, amax rule
   (``alj.adaptive(groups="module")``);
 * ``fp16-ada-gauss``: float16, adaptive per-module scales, the reference's Gaussian rule
-  (``alj.adaptive(statistic="gaussian", groups="module")``).
+  (``alj.adaptive(statistic="gaussian", groups="module")``);
+* ``fp16-ada-quant-global`` / ``fp16-ada-quant``: float16, the quantile rule with one
+  global scale / per-module scales (``alj.adaptive(statistic="quantile", ...)``).
 
 Regimes: ``tiny`` (default; the loss multiplied by 2^-20 before differentiation and the
 gradients by 2^20 before AdamW, so fp32 training is unchanged: what a mean over ~10^6
@@ -50,7 +52,8 @@ import adaloss_jax as alj
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from underflow_table import GPT, TINY, batches, load_corpus  # noqa: E402
 
-CONFIGS = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-amax", "fp16-ada-gauss")
+CONFIGS = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-amax", "fp16-ada-gauss",
+           "fp16-ada-quant-global", "fp16-ada-quant")
 
 
 def make_scaler(config: str):
@@ -60,6 +63,10 @@ def make_scaler(config: str):
         return alj.adaptive(groups="module")
     if config == "fp16-ada-gauss":
         return alj.adaptive(statistic="gaussian", groups="module")
+    if config == "fp16-ada-quant-global":
+        return alj.adaptive(statistic="quantile", groups="global")
+    if config == "fp16-ada-quant":
+        return alj.adaptive(statistic="quantile", groups="module")
     return None
 
 

@@ -32,7 +32,9 @@ Configs, on the same initialisation and batches per seed:
 * ``fp16-ada-global``: ``alj.adaptive(groups="global")`` (one statistics-driven scale);
 * ``fp16-ada-module``: ``alj.adaptive(groups="module")`` (one scale per Dense, amax rule);
 * ``fp16-ada-gauss``: ``alj.adaptive(statistic="gaussian", groups="module")`` (per Dense,
-  Gaussian rule).
+  Gaussian rule);
+* ``fp16-ada-quant-global`` / ``fp16-ada-quant``: ``alj.adaptive(statistic="quantile",
+  ...)`` with one global scale / one scale per Dense.
 
 Reported per config (mean +- sample std over seeds where it is a number): test accuracy
 after the last step (the full 10k test set, evaluated in the config's compute dtype),
@@ -77,7 +79,7 @@ from adaloss_jax.bench import _data, _models
 
 DATA_DIR = _data.FASHION_MNIST_DIR
 CONFIGS = ("fp32", "fp16-none", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module",
-           "fp16-ada-gauss")
+           "fp16-ada-gauss", "fp16-ada-quant-global", "fp16-ada-quant")
 TINY_SHIFT = 20
 
 
@@ -113,6 +115,8 @@ def make_scaler(config: str):
         "fp16-ada-global": lambda: alj.adaptive(groups="global"),
         "fp16-ada-module": lambda: alj.adaptive(groups="module"),
         "fp16-ada-gauss": lambda: alj.adaptive(statistic="gaussian", groups="module"),
+        "fp16-ada-quant-global": lambda: alj.adaptive(statistic="quantile", groups="global"),
+        "fp16-ada-quant": lambda: alj.adaptive(statistic="quantile", groups="module"),
     }.get(config, lambda: None)()
 
 

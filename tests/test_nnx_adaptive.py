@@ -6,6 +6,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import nnx
 
 import adaloss_jax as alj
@@ -47,9 +48,10 @@ def loss_fn(model, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-def test_fp32_exact_under_arbitrary_per_group_scales():
+@pytest.mark.parametrize("statistic", ["amax", "quantile"])
+def test_fp32_exact_under_arbitrary_per_group_scales(statistic):
     model = Model(nnx.Rngs(0))
-    scaler = alj.adaptive(groups="module")
+    scaler = alj.adaptive(groups="module", statistic=statistic)
     tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
     state = tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))
     ad = state[0]

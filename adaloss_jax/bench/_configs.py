@@ -62,6 +62,8 @@ CONFIGS: dict[str, Config] = {
              groups="module"),
         _ada("fp16-ada-gauss", "float16, adaptive per-module scales, the reference's "
              "Gaussian rule", groups="module", statistic="gaussian"),
+        _ada("fp16-ada-quant", "float16, adaptive per-module scales, quantile rule (at most "
+             "1e-3 of cotangents below 2 u_min)", groups="module", statistic="quantile"),
         _ada("e5m2-global", "float16 model, cotangents rounded to fp8 e5m2 at module "
              "outputs; one statistics-driven scale", groups="global", **_E5M2),
         _ada("e5m2-module", "as e5m2-global with per-module scales", groups="module", **_E5M2),

@@ -69,8 +69,8 @@ def test_cli_end_to_end_and_resume(small_gpt, tmp_path, capsys):
 def test_tiny_regime_leaves_fp32_unchanged(small_gpt):
     """The 2^-20 loss multiplier and the 2^20 gradient multiplier cancel exactly in fp32."""
     fp32 = _configs.CONFIGS["fp32"]
-    tiny = _runner.Runner(small_gpt, fp32, "tiny").run(1, 3)
-    ordinary = _runner.Runner(small_gpt, fp32, "ordinary").run(1, 3)
+    tiny = _runner.Runner(small_gpt, fp32, "tiny", 3).run(1)
+    ordinary = _runner.Runner(small_gpt, fp32, "ordinary", 3).run(1)
     np.testing.assert_allclose(tiny["loss_curve"], ordinary["loss_curve"], rtol=1e-6)
     np.testing.assert_allclose(tiny["quality"], ordinary["quality"], rtol=1e-6)
 
@@ -79,11 +79,11 @@ def test_interrupted_bench_keeps_finished_runs(small_gpt, tmp_path, monkeypatch)
     real_run = _runner.Runner.run
     calls = []
 
-    def run(self, seed, steps, on_step=None):
+    def run(self, seed, on_step=None):
         calls.append(seed)
         if len(calls) > 1:
             raise KeyboardInterrupt
-        return real_run(self, seed, steps, on_step)
+        return real_run(self, seed, on_step)
 
     monkeypatch.setattr(_runner.Runner, "run", run)
     out = str(tmp_path / "res")
@@ -163,9 +163,9 @@ def test_progress_without_terminal():
                     reason="dataset-fashion-mnist is not installed")
 def test_resnet_with_batchnorm_under_adaptive_scaling():
     task = _tasks.TASKS["fmnist-resnet"]
-    runner = _runner.Runner(task, _configs.CONFIGS["fp16-ada-module"], "tiny")
+    runner = _runner.Runner(task, _configs.CONFIGS["fp16-ada-module"], "tiny", 3)
     carry = runner.init(0)
-    row = runner.run(0, 3)
+    row = runner.run(0)
     assert row["skipped"] == 1 and not row["diverged"]  # only the blind first step
     assert np.isfinite(row["quality"]) and row["final_underflow"] < 0.01
     # BatchNorm statistics: kept on the skipped first step, moved on the next (applied).

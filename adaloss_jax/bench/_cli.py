@@ -157,11 +157,12 @@ def main(argv=None) -> int:
     interrupted = False
     try:
         for task, regime, config, missing in todo:
-            runner = _runner.Runner(_tasks.TASKS[task], _configs.CONFIGS[config], regime)
+            runner = _runner.Runner(_tasks.TASKS[task], _configs.CONFIGS[config], regime,
+                                    steps_of(task))
             for seed in missing:
                 progress.label = f"{task} {regime} {config} seed {seed}"
                 t0 = time.perf_counter()
-                row = runner.run(seed, steps_of(task), on_step=progress.step)
+                row = runner.run(seed, on_step=progress.step)
                 _report.append_row(raw, row)
                 progress.note(
                     f"{task:<13} {regime:<8} {config:<16} seed {seed}: {row['metric']} "

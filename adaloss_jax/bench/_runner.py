@@ -77,13 +77,13 @@ def _reference(task: Task, regime: str):
 class Runner:
     """The jitted step, probe and evaluation of one (task, regime, config)."""
 
-    def __init__(self, task: Task, config: Config, regime: str):
+    def __init__(self, task: Task, config: Config, regime: str, steps: int):
         if regime not in REGIMES:
             raise ValueError(f"unknown regime {regime!r}; choose from {', '.join(REGIMES)}")
-        self.task, self.config, self.regime = task, config, regime
+        self.task, self.config, self.regime, self.steps = task, config, regime, steps
         self.model = model = task.model(config.dtype)
         self.mult = mult = 2.0**-TINY_SHIFT if regime == "tiny" else 1.0
-        inner = task.make_optimizer()
+        inner = task.make_optimizer(steps)
         if regime == "tiny":  # undo the loss multiplier after unscaling: fp32 unchanged
             inner = optax.chain(optax.scale(1.0 / mult), inner)
 
@@ -168,8 +168,9 @@ class Runner:
             out["group_log2_scales"] = alj.scale_summary(before[2])["log2_group_scales"]
         return out
 
-    def run(self, seed: int, steps: int, on_step=None) -> dict[str, Any]:
-        """Trains ``steps`` steps from ``seed``; returns the row (plain data)."""
+    def run(self, seed: int, on_step=None) -> dict[str, Any]:
+        """Trains ``self.steps`` steps from ``seed``; returns the row (plain data)."""
+        steps = self.steps
         carry = self.init(seed)
         names = _leaf_names(carry[0])
         batch = self.task.batches(seed, steps)

@@ -6,6 +6,7 @@ import argparse
 import datetime
 import os
 import platform
+import signal
 import sys
 import time
 
@@ -26,6 +27,10 @@ results.csv, report.md and plots/*.png. Runs already in runs.jsonl with the same
 regime, config, seed, steps and model settings are not rerun (--rerun forces them); an
 interrupted bench keeps every run that finished.
 """
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def _split(text: str) -> list[str]:
@@ -155,6 +160,8 @@ def main(argv=None) -> int:
           file=sys.stderr)
     progress = Progress(total)
     interrupted = False
+    # A `kill` (SIGTERM) stops the bench like Ctrl-C: the report is still written.
+    previous = signal.signal(signal.SIGTERM, _interrupt)
     try:
         for task, regime, config, missing in todo:
             runner = _runner.Runner(_tasks.TASKS[task], _configs.CONFIGS[config], regime,
@@ -173,6 +180,8 @@ def main(argv=None) -> int:
     except KeyboardInterrupt:
         interrupted = True
         progress.note("interrupted: writing the report from the runs that finished")
+    finally:
+        signal.signal(signal.SIGTERM, previous)
     progress.close()
 
     wanted = {(t, r, c, s, steps_of(t), _tasks.TASKS[t].settings)

@@ -502,3 +502,13 @@ def test_scale_summary_is_plain_data():
     assert all(isinstance(v, float) for v in groups.values())
     lo, med, hi = summary["group_log2_min_med_max"]
     assert lo <= med <= hi and lo == min(v for g, v in groups.items() if g)
+
+
+@pytest.mark.parametrize("dtype, margin", [
+    ("float16", 4), ("float8_e5m2", 4), ("float8_e4m3fn", 2),
+], ids=["fp16", "e5m2", "e4m3"])
+def test_default_margin_depends_on_the_format_range(dtype, margin):
+    # fp16 spans log2(65504 / 2^-24) = 40 binades, e5m2 log2(57344 / 2^-16) = 31.8,
+    # e4m3fn log2(448 / 2^-9) = 17.8: below 30 the default margin is 2.
+    assert alj.adaptive(grad_dtype=dtype).margin == margin
+    assert alj.adaptive(grad_dtype=dtype, margin=3).margin == 3

@@ -79,8 +79,18 @@ _SLOTS = 4
 
 
 def pow2(n) -> jax.Array:
-    """``2.0 ** n`` exactly, for integer-valued ``n`` (``jnp.exp2`` is not exact on CPU)."""
-    return jnp.ldexp(jnp.float32(1.0), jnp.asarray(n).astype(jnp.int32))
+    """``2.0 ** n`` in fp32, exactly, for integer-valued ``n`` (``jnp.exp2`` is not exact on
+    CPU); inf above 2**127 and 0 below 2**-126 (as jitted ``jnp.ldexp`` on CPU, which
+    flushes fp32 subnormals).
+
+    Written as the exponent bits (4 scalar ops, against ~50 for ``jnp.ldexp``): every
+    converted module boundary calls it.
+    """
+    n = jnp.clip(jnp.asarray(n), -127, 128).astype(jnp.int32)
+    # Biased exponent n + 127 and a zero mantissa; n = -127 gives 0.0 and n = 128 inf.
+    return jax.lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
+
+
 # Statistics rows: 0 = where the cotangent enters a module (its output), 1 = where it
 # leaves (its inputs). Columns:
 _AMAX, _SUMSQ, _COUNT, _NONFINITE = range(4)
@@ -324,21 +334,22 @@ def _stats(cts: tuple[jax.Array, ...], factor, cfg: _PointConfig) -> jax.Array:
 
     ``amax`` is taken on the cotangent as it is and multiplied by the (power-of-two)
     factor, which is exact; a converted value above the format's max would be inf, so
-    it counts as non-finite.
+    it counts as non-finite. One read of each cotangent: non-finite elements enter the
+    max as inf, so the max alone also answers "all finite?" (not ``max(|ct|)`` alone:
+    XLA's CPU max reduction can drop a NaN). The amax of a non-finite cotangent is then
+    inf, which the scale rule never reads (the group backs off instead).
     """
     amax = jnp.zeros((), jnp.float32)
     sumsq = jnp.zeros((), jnp.float32)
-    finite = jnp.asarray(True)
     for ct in cts:
-        amax = jnp.maximum(amax, jnp.max(jnp.abs(ct), initial=0).astype(jnp.float32))
-        # Not from max alone: XLA's CPU max reduction can drop a NaN.
-        finite = finite & jnp.all(jnp.isfinite(ct))
+        mag = jnp.where(jnp.isfinite(ct), jnp.abs(ct), jnp.asarray(jnp.inf, ct.dtype))
+        amax = jnp.maximum(amax, jnp.max(mag, initial=0).astype(jnp.float32))
         if cfg.sumsq:
             c = ct.astype(jnp.float32)
             sumsq = sumsq + jnp.sum(c * c)
     amax = amax * factor
     sumsq = sumsq * factor * factor
-    bad = jnp.logical_not(finite & (amax <= cfg.fmt_max)).astype(jnp.float32)
+    bad = jnp.logical_not(amax <= cfg.fmt_max).astype(jnp.float32)
     count = jnp.float32(sum(ct.size for ct in cts))
     row = jnp.stack([amax, sumsq, count, bad])
     if cfg.hist_lo is None:
@@ -369,7 +380,9 @@ def _scale_point_bwd(cfg, ratio, cts):
     # Row 0 measures after entering the module's scale, row 1 before leaving it.
     factor = ratio if (cfg.row == 0 and cfg.convert) else jnp.float32(1.0)
     stats = _reduce_over_mapped_axes(_stats(cts, factor, cfg), cts)
-    stats = jnp.zeros((_SLOTS, 2, stats.shape[0]), jnp.float32).at[cfg.slot, cfg.row].set(stats)
+    # A pad, not ``zeros.at[slot, row].set``: XLA sees a scatter in the latter.
+    pads = [(cfg.slot, _SLOTS - 1 - cfg.slot, 0), (cfg.row, 1 - cfg.row, 0), (0, 0, 0)]
+    stats = jax.lax.pad(stats[None, None], jnp.float32(0.0), pads)
     return converted, jnp.zeros_like(ratio), stats
 
 
@@ -472,13 +485,11 @@ class _Interceptor:
             ctx_key = "/".join(self.stack[-1][1]) if self.stack else ROOT
             cfg = self.cfg._replace(row=0, convert=False, simulate=None,
                                     slot=self._slot(ctx_key))
-            one = jnp.float32(1.0)
-            return _apply_point(out, cfg, one, self.dummies[ctx_key])
-        into = pow2(self.log2[group] - self.log2[parent])
-        back = pow2(self.log2[parent] - self.log2[group])
+            return _apply_point(out, cfg, jnp.float32(1.0), self.dummies[ctx_key])
+        convert = group != parent
+        into, back = self._ratio(group, parent), self._ratio(parent, group)
         dummy = self.dummies[key]
         slot = self._slot(key)
-        convert = group != parent
         args, kwargs = _apply_point(
             (args, kwargs), self.cfg._replace(row=1, convert=convert, slot=slot), back, dummy
         )
@@ -492,6 +503,13 @@ class _Interceptor:
         return _apply_point(out, self.cfg._replace(row=0, convert=convert, slot=slot), into,
                             dummy)
 
+
+    def _ratio(self, to: str, frm: str):
+        """``S_to / S_from`` (not cached across calls: a value built inside a lifted
+        transform such as ``nn.remat`` or ``nn.scan`` must not leak out of it)."""
+        if to == frm:
+            return jnp.float32(1.0)
+        return pow2(self.log2[to] - self.log2[frm])
 
     def _note_dtypes(self, out) -> None:
         for x in jax.tree_util.tree_leaves(out):
@@ -684,15 +702,18 @@ def adaptive_unscale(
             )
 
         # Per-group amax (at the group's scale) and overflow of the parameter gradients.
+        # One read per leaf: non-finite elements enter the max as inf (not max(|x|) alone:
+        # XLA's CPU max reduction can drop a NaN), so p_amax is inf iff the group's
+        # parameter gradients are not all finite.
         p_amax = {g: jnp.zeros((), jnp.float32) for g in active}
-        p_bad = {g: jnp.asarray(False) for g in active}
+        inv = {g: pow2(-log2[g]) for g in sorted(set(leaf_groups))}
         out = []
         for g, leaf in zip(leaf_groups, leaves):
             x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
-            p_amax[g] = jnp.maximum(p_amax[g], jnp.max(jnp.abs(x), initial=0.0))
-            # Not from max alone: XLA's CPU max reduction can drop a NaN.
-            p_bad[g] = p_bad[g] | ~jnp.all(jnp.isfinite(x))
-            out.append(x * pow2(-log2[g]))
+            mag = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.asarray(jnp.inf, x.dtype))
+            p_amax[g] = jnp.maximum(p_amax[g], jnp.max(mag, initial=0.0))
+            out.append(x * inv[g])
+        p_bad = {g: ~(a < jnp.inf) for g, a in p_amax.items()}
         updates = jax.tree_util.tree_unflatten(treedef, out)
 
         new_log2, new_amax, new_bad = dict(log2), dict(state.log2_amax), dict(state.overflowed)

@@ -1,10 +1,11 @@
 """Overhead of adaptive scaling against dynamic global scaling, side by side.
 
 For a byte-level GPT (the model of ``underflow_table.py``) in fp16, compiles one jitted
-training step per configuration and reports compile time, XLA's temporary memory, the
-host round trips found in the compiled HLO (callbacks, infeed/outfeed, send/recv) and the
-steady-state step time, measured in interleaved rounds so that machine noise hits every
-configuration alike. Ratios are against ``dynamic``.
+training step per configuration and reports compile time (trace + lower + XLA compile of
+a fresh ``jax.jit``, median of ``--compile-repeats`` interleaved repeats), XLA's temporary
+memory, the host round trips found in the compiled HLO (callbacks, infeed/outfeed,
+send/recv) and the steady-state step time, measured in interleaved rounds so that machine
+noise hits every configuration alike. Ratios are against ``dynamic``.
 
 Run: ``python benchmarks/overhead.py`` (a few minutes on 2 CPU cores);
 ``--sizes small,large --layers 2,4,8`` for the growth with depth.
@@ -68,31 +69,38 @@ def host_round_trips(hlo_text: str) -> int:
     return sum(hlo_text.count(p) for p in HOST_PATTERNS)
 
 
-def measure(size: str, layers: int | None, rounds: int, steps: int) -> list[dict]:
+def measure(size: str, layers: int | None, rounds: int, steps: int,
+            compile_repeats: int = 3) -> list[dict]:
     n_layers, d, heads, ctx, batch = SIZES[size]
     n_layers = layers or n_layers
     model = GPT(layers=n_layers, d_model=d, heads=heads, context=ctx, dtype=jnp.float16)
     rng = np.random.default_rng(0)
     data = jnp.asarray(rng.integers(0, 256, size=(batch, ctx + 1)), jnp.int32)
     params = model.init(jax.random.key(0), data[:, :-1])["params"]
-    rows, runners = [], {}
+    rows, runners, steps_of = [], {}, {}
     for config in CONFIGS:
         tx, step = build_step(config, model, params)
-        opt_state = tx.init(params)
-        t0 = time.perf_counter()
-        lowered = jax.jit(step).lower(params, opt_state, data)
-        compiled = lowered.compile()
-        compile_s = time.perf_counter() - t0
+        steps_of[config] = (tx.init(params), step)
+        rows.append({"size": size, "layers": n_layers, "d_model": d, "config": config,
+                     "compile_times": [], "times": []})
+    # Interleaved (ABCABC...) so that load from other processes hits every config alike.
+    for _ in range(compile_repeats):
+        for row in rows:
+            opt_state, _ = steps_of[row["config"]]
+            # A fresh step function each time: jax caches traces and executables by it.
+            _, step = build_step(row["config"], model, params)
+            t0 = time.perf_counter()
+            compiled = jax.jit(step).lower(params, opt_state, data).compile()
+            row["compile_times"].append(time.perf_counter() - t0)
+            runners[row["config"]] = (compiled, [params, opt_state])
+    for row in rows:
+        compiled, state = runners[row["config"]]
         mem = compiled.memory_analysis()
         temp = getattr(mem, "temp_size_in_bytes", float("nan")) if mem is not None else np.nan
-        trips = host_round_trips(compiled.as_text())
-        state = [params, opt_state]
-        out = compiled(*state, data)  # warm-up
-        jax.block_until_ready(out)
-        runners[config] = (compiled, state)
-        rows.append({"size": size, "layers": n_layers, "d_model": d, "config": config,
-                     "compile_s": compile_s, "temp_bytes": temp, "host_round_trips": trips,
-                     "times": []})
+        row["compile_s"] = statistics.median(row["compile_times"])
+        row["temp_bytes"] = temp
+        row["host_round_trips"] = host_round_trips(compiled.as_text())
+        jax.block_until_ready(compiled(*state, data))  # warm-up
     for r in range(rounds):
         for row in rows:
             compiled, state = runners[row["config"]]
@@ -119,6 +127,7 @@ def main(argv=None) -> int:
     parser.add_argument("--layers", default="", help="comma list of layer counts (override)")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
+    parser.add_argument("--compile-repeats", type=int, default=3)
     args = parser.parse_args(argv)
     sizes = [s for s in args.sizes.split(",") if s]
     for s in sizes:
@@ -126,13 +135,15 @@ def main(argv=None) -> int:
             parser.error(f"unknown size {s!r}; valid: {', '.join(SIZES)}")
     layer_list = [int(x) for x in args.layers.split(",") if x] or [None]
     print(f"# jax {jax.__version__}, backend {jax.default_backend()}, "
-          f"{os.cpu_count()} CPUs; median of {args.rounds} rounds x {args.steps} steps")
+          f"{os.cpu_count()} CPUs; median of {args.rounds} rounds x {args.steps} steps, "
+          f"compile: median of {args.compile_repeats}")
     header = ("size", "layers", "d", "config", "step ms", "x dyn", "compile s", "x dyn",
               "temp MiB", "x dyn", "host trips")
     print("{:<6} {:>6} {:>4} {:<16} {:>8} {:>6} {:>9} {:>6} {:>9} {:>6} {:>10}".format(*header))
     for size in sizes:
         for layers in layer_list:
-            for r in measure(size, layers, args.rounds, args.steps):
+            for r in measure(size, layers, args.rounds, args.steps,
+                                 args.compile_repeats):
                 print(f"{r['size']:<6} {r['layers']:>6} {r['d_model']:>4} {r['config']:<16} "
                       f"{r['step_ms']:>8.1f} {r['step_ratio']:>6.3f} {r['compile_s']:>9.2f} "
                       f"{r['compile_ratio']:>6.2f} {r['temp_bytes'] / 2**20:>9.1f} "

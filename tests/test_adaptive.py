@@ -512,3 +512,38 @@ def test_default_margin_depends_on_the_format_range(dtype, margin):
     # e4m3fn log2(448 / 2^-9) = 17.8: below 30 the default margin is 2.
     assert alj.adaptive(grad_dtype=dtype).margin == margin
     assert alj.adaptive(grad_dtype=dtype, margin=3).margin == 3
+
+
+def test_pow2_equals_jitted_ldexp():
+    """The exponent-bit ``pow2`` gives jitted ``jnp.ldexp``'s values (0 below 2^-126 and
+    inf above 2^127 on CPU), for integer- and float-typed exponents."""
+    n = np.arange(-200, 200)
+    ref = jax.jit(lambda k: jnp.ldexp(jnp.float32(1.0), k))(jnp.asarray(n, jnp.int32))
+    pow2 = jax.jit(alj._adaptive.pow2)
+    np.testing.assert_array_equal(pow2(jnp.asarray(n, jnp.int32)), ref)
+    np.testing.assert_array_equal(pow2(jnp.asarray(n, jnp.float32)), ref)
+
+
+@pytest.mark.parametrize("groups", ["module", "global"])
+def test_module_called_inside_and_outside_lifted_transforms(groups):
+    """A module called inside ``nn.remat`` and ``nn.scan`` and again outside: no value
+    built in a scale point inside the lifted transform may leak out of it."""
+
+    class Shared(nn.Module):
+        def setup(self):
+            self.d = nn.Dense(8, dtype=jnp.float16)
+
+        def __call__(self, x):
+            y = nn.remat(lambda mdl, x: mdl.d(x))(self, x)
+            scan = nn.scan(lambda mdl, c, _: (mdl.d(c), None), variable_broadcast="params",
+                           split_rngs={"params": False}, length=2)
+            y = scan(self, y, None)[0]
+            return self.d(y)
+
+    model, x = Shared(), jnp.ones((4, 8), jnp.float16)
+    params = model.init(jax.random.key(0), x)["params"]
+    scaler = alj.adaptive(groups=groups)
+    state = alj.adaptive_unscale(scaler).init(params)
+    loss = lambda p: jnp.sum(model.apply({"params": p}, x).astype(jnp.float32))
+    _, grads, _ = jax.jit(alj.adaptive_value_and_grad(loss, scaler))(state, params)
+    assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))

@@ -5,6 +5,8 @@ step and reports, side by side: the time spent tracing (Python), lowering to Sta
 and compiling with XLA; the size of the lowered module (StableHLO ops) and of the
 optimized HLO (instructions, fusions, reductions, library calls for the matmuls);
 XLA's cost analysis (flops, bytes accessed) and temporary memory. Nothing is run.
+``total_cpu_s`` is this process's CPU time for trace + lower + compile: on a machine
+shared with other jobs it varies far less than the wall-clock times.
 
 Run: ``python benchmarks/profile_step.py`` (about a minute on 2 CPU cores);
 ``--size large`` for the d=512 model; ``--dump DIR`` writes the optimized HLO texts.
@@ -66,13 +68,13 @@ def profile(config: str, size: str, dump: str | None) -> dict:
     params = model.init(jax.random.key(0), data[:, :-1])["params"]
     tx, step = build_step(config, model, params)
     opt_state = tx.init(params)
-    t0 = time.perf_counter()
+    c0, t0 = time.process_time(), time.perf_counter()
     traced = jax.jit(step).trace(params, opt_state, data)
     t1 = time.perf_counter()
     lowered = traced.lower()
     t2 = time.perf_counter()
     compiled = lowered.compile()
-    t3 = time.perf_counter()
+    t3, c3 = time.perf_counter(), time.process_time()
     text = compiled.as_text()
     if dump:
         os.makedirs(dump, exist_ok=True)
@@ -87,6 +89,8 @@ def profile(config: str, size: str, dump: str | None) -> dict:
     allc = hlo_counts(text)
     return {
         "config": config, "trace_s": t1 - t0, "lower_s": t2 - t1, "compile_s": t3 - t2,
+        # CPU time of this process for all three: robust to other processes' load.
+        "total_cpu_s": c3 - c0,
         "jaxpr_eqns": len(traced.jaxpr.eqns), "stablehlo_ops": stablehlo_ops,
         "hlo_instr": sum(allc.values()), "kernels": sum(
             v for k, v in entry.items() if k not in

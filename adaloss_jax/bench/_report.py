@@ -138,21 +138,37 @@ def plot_group(rows: list[dict], configs: list[str], title: str, stem: str) -> l
     by_cfg = {c: sorted((r for r in rows if r["config"] == c), key=lambda r: r["seed"])
               for c in present}
 
-    # Loss curves (mean over seeds, moving average over 10 steps).
-    fig, ax = plt.subplots(figsize=(8, 4.5))
+    # Loss curves (mean over seeds, moving average over 10 steps), and each config's
+    # difference to fp32 paired by seed: the gap is easier to see there.
+    styles = {c: {"color": plt.cm.tab20(i % 20), "ls": ("-", "--", ":")[i // 10 % 3]}
+              for i, c in enumerate(present)}
+    fig, (ax, dax) = plt.subplots(1, 2, figsize=(13, 4.5))
+    ref = {r["seed"]: np.asarray(r["loss_curve"], np.float64) for r in by_cfg.get("fp32", [])}
     for c in present:
         curves = np.array([r["loss_curve"] for r in by_cfg[c]], np.float64)
         y = _smooth(np.nanmean(curves, axis=0), 10)
-        ax.plot(np.arange(len(y)) + 10, y, label=c, lw=1.2)
+        ax.plot(np.arange(len(y)) + 10, y, label=c, lw=1.2, **styles[c])
+        diffs = [np.asarray(r["loss_curve"], np.float64) - ref[r["seed"]]
+                 for r in by_cfg[c] if r["seed"] in ref and c != "fp32"]
+        if diffs:
+            d = _smooth(np.nanmean(diffs, axis=0), 25)
+            dax.plot(np.arange(len(d)) + 25, d, label=c, lw=1.2, **styles[c])
     ax.set_xlabel("step")
     ax.set_ylabel("training loss (nats, unscaled; 10-step mean)")
-    ax.set_title(f"{title}: training loss, mean over seeds")
+    ax.set_title("training loss, mean over seeds", fontsize=9)
     finite = [r["loss_curve"][-1] for c in present for r in by_cfg[c]
               if math.isfinite(r["loss_curve"][-1])]
     if finite:
         ax.set_ylim(min(finite) * 0.95, np.percentile(finite, 90) * 1.6)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
+    dax.axhline(0.0, color="black", lw=0.8)
+    dax.set_xlabel("step")
+    dax.set_ylabel("loss - fp32 loss (same seed; 25-step mean)")
+    dax.set_title("gap to fp32 (off-scale curves: see the table)", fontsize=9)
+    dax.set_ylim(-0.15, 0.3)
+    dax.grid(alpha=0.3)
+    fig.suptitle(title, fontsize=10)
     fig.tight_layout()
     written.append(f"{stem}_loss.png")
     fig.savefig(written[-1], dpi=110)

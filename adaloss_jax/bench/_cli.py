@@ -18,7 +18,7 @@ from adaloss_jax.bench._progress import Progress
 EPILOG = """\
 examples:
   python -m adaloss_jax.bench --quick           # code-gpt, tiny regime, 6 configs, 3 seeds
-  python -m adaloss_jax.bench                   # the full suite (about an hour on 2 cores)
+  python -m adaloss_jax.bench                   # the full suite (1-2 hours on 2 cores)
   python -m adaloss_jax.bench --tasks fmnist-deep --regimes tiny --configs fp32,fp16-dynamic
   python -m adaloss_jax.bench --list            # tasks and configurations
 

@@ -48,6 +48,7 @@ import numpy as np
 import optax
 
 import adaloss_jax as alj
+from adaloss_jax.bench._steps import scaled_step
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from underflow_table import GPT, TINY, batches, load_corpus  # noqa: E402
@@ -56,18 +57,17 @@ CONFIGS = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-amax", "fp16-ada
            "fp16-ada-quant-global", "fp16-ada-quant")
 
 
-def make_scaler(config: str):
-    if config == "fp16-ada-global":
-        return alj.adaptive(groups="global")
-    if config == "fp16-ada-amax":
-        return alj.adaptive(groups="module")
-    if config == "fp16-ada-gauss":
-        return alj.adaptive(statistic="gaussian", groups="module")
-    if config == "fp16-ada-quant-global":
-        return alj.adaptive(statistic="quantile", groups="global")
-    if config == "fp16-ada-quant":
-        return alj.adaptive(statistic="quantile", groups="module")
-    return None
+def scaling_of(config: str, period: int):
+    """The config's scaler: a global policy or an adaptive scaler."""
+    return {
+        "fp32": alj.no_scaling,
+        "fp16-dynamic": lambda: alj.dynamic(initial_scale=2.0**15, period=period),
+        "fp16-ada-global": lambda: alj.adaptive(groups="global"),
+        "fp16-ada-amax": lambda: alj.adaptive(groups="module"),
+        "fp16-ada-gauss": lambda: alj.adaptive(statistic="gaussian", groups="module"),
+        "fp16-ada-quant-global": lambda: alj.adaptive(statistic="quantile", groups="global"),
+        "fp16-ada-quant": lambda: alj.adaptive(statistic="quantile", groups="module"),
+    }[config]()
 
 
 def make_inner(regime: str, lr: float):
@@ -77,8 +77,9 @@ def make_inner(regime: str, lr: float):
     return inner
 
 
-def make_step(config: str, model, multiplier: float, tx):
-    """One jitted training step ``(params, opt_state, batch) -> (params, opt_state, loss)``."""
+def make_step(config: str, model, multiplier: float, inner, period: int):
+    """``(tx, step)``, the step jitted: ``(params, opt_state, batch) -> (params,
+    opt_state, loss)``."""
 
     def loss_fn(params, batch):
         logits = model.apply({"params": params}, batch[:, :-1])
@@ -86,32 +87,8 @@ def make_step(config: str, model, multiplier: float, tx):
             logits.astype(jnp.float32), batch[:, 1:])
         return jnp.mean(ce) * multiplier
 
-    scaler = make_scaler(config)
-    if scaler is None:
-        @jax.jit
-        def step(params, opt_state, batch):
-            loss, grads = alj.value_and_grad(loss_fn)(opt_state, params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
-            return optax.apply_updates(params, updates), opt_state, loss
-    else:
-        @jax.jit
-        def step(params, opt_state, batch):
-            loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(
-                opt_state, params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params, loss=loss,
-                                           scale_stats=stats)
-            return optax.apply_updates(params, updates), opt_state, loss
-
-    return step
-
-
-def make_tx(config: str, regime: str, lr: float, period: int):
-    inner = make_inner(regime, lr)
-    if config == "fp32":
-        return alj.loss_scaled(inner, alj.no_scaling())
-    if config == "fp16-dynamic":
-        return alj.loss_scaled(inner, alj.dynamic(initial_scale=2.0**15, period=period))
-    return optax.chain(alj.adaptive_unscale(make_scaler(config)), alj.skip_nonfinite(inner))
+    tx, step = scaled_step(loss_fn, inner, scaling_of(config, period))
+    return tx, jax.jit(step)
 
 
 def base_state(opt_state):
@@ -127,9 +104,9 @@ def run_one(config, seed, args, train_data, val_batches):
     model = GPT(args.layers, args.d_model, args.heads, args.context, dtype)
     params = model.init(jax.random.key(seed), val_batches[0][:, :-1])["params"]
     multiplier = TINY if args.regime == "tiny" else 1.0
-    tx = make_tx(config, args.regime, args.lr, args.period)
+    tx, step = make_step(config, model, multiplier, make_inner(args.regime, args.lr),
+                         args.period)
     opt_state = tx.init(params)
-    step = make_step(config, model, multiplier, tx)
     data_iter = batches(train_data, args.batch, args.context, np.random.default_rng(seed + 2))
 
     t0 = time.time()

@@ -76,6 +76,7 @@ import optax
 
 import adaloss_jax as alj
 from adaloss_jax.bench import _data, _models
+from adaloss_jax.bench._steps import scaled_tx, scaled_value_and_grad
 
 DATA_DIR = _data.FASHION_MNIST_DIR
 CONFIGS = ("fp32", "fp16-none", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module",
@@ -111,24 +112,24 @@ def _xent(model, params, xb, yb):
 
 
 def make_scaler(config: str):
+    """The config's scaler: a global policy or an adaptive scaler."""
     return {
+        "fp32": alj.no_scaling,
+        "fp16-none": alj.no_scaling,
+        "fp16-dynamic": lambda: alj.dynamic(initial_scale=2.0**15, period=200),
         "fp16-ada-global": lambda: alj.adaptive(groups="global"),
         "fp16-ada-module": lambda: alj.adaptive(groups="module"),
         "fp16-ada-gauss": lambda: alj.adaptive(statistic="gaussian", groups="module"),
         "fp16-ada-quant-global": lambda: alj.adaptive(statistic="quantile", groups="global"),
         "fp16-ada-quant": lambda: alj.adaptive(statistic="quantile", groups="module"),
-    }.get(config, lambda: None)()
+    }[config]()
 
 
-def make_tx(config: str, args, scaler):
+def make_tx(args, scaler):
     inner = optax.sgd(args.lr, momentum=args.momentum)
     if args.regime == "tiny":  # undo the loss multiplier after unscaling: fp32 unchanged
         inner = optax.chain(optax.scale(2.0**TINY_SHIFT), inner)
-    if scaler is not None:
-        return optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(inner))
-    if config == "fp16-dynamic":
-        return alj.loss_scaled(inner, alj.dynamic(initial_scale=2.0**15, period=200))
-    return alj.loss_scaled(inner, alj.no_scaling())
+    return scaled_tx(inner, scaler)
 
 
 def base_state(opt_state):
@@ -149,20 +150,14 @@ class Runner:
         ref = DeepMLP(args.depth, args.width, dtype=jnp.float32, init_scheme=args.init)
         self.multiplier = 2.0**-TINY_SHIFT if args.regime == "tiny" else 1.0
         self.scaler = make_scaler(config)
-        self.tx = make_tx(config, args, self.scaler)
+        self.tx = make_tx(args, self.scaler)
         model, mult, scaler, tx = self.model, self.multiplier, self.scaler, self.tx
         xs, ys = jnp.asarray(train_x), jnp.asarray(train_y, jnp.int32)
 
         def loss_fn(params, xb, yb):
             return _xent(model, params, xb, yb) * mult
 
-        def grads_of(opt_state, params, xb, yb):
-            if scaler is None:
-                loss, grads = alj.value_and_grad(loss_fn)(opt_state, params, xb, yb)
-                return loss, grads, {}
-            loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(
-                opt_state, params, xb, yb)
-            return loss, grads, {"scale_stats": stats}
+        grads_of = scaled_value_and_grad(loss_fn, scaler)
 
         @jax.jit
         def step(params, opt_state, idx):

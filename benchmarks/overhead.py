@@ -28,6 +28,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from underflow_table import GPT  # noqa: E402
 
 import adaloss_jax as alj  # noqa: E402
+from adaloss_jax.bench._steps import scaled_step  # noqa: E402
 
 SIZES = {  # name: (layers, d_model, heads, context, batch)
     "small": (4, 128, 4, 128, 16),  # the text-gpt model of the benchmarks
@@ -42,26 +43,9 @@ def build_step(config: str, model, params):
         logits = model.apply({"params": p}, batch[:, :-1]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
-    inner = optax.adamw(1e-3)
-    if config == "dynamic":
-        tx = alj.loss_scaled(inner, alj.dynamic())
-
-        def step(params, opt_state, batch):
-            loss, grads = alj.value_and_grad(loss_fn)(opt_state, params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
-            return optax.apply_updates(params, updates), opt_state, loss
-    else:
-        scaler = alj.adaptive(groups="global" if config == "adaptive-global" else "module")
-        tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(inner))
-
-        def step(params, opt_state, batch):
-            loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(
-                opt_state, params, batch
-            )
-            updates, opt_state = tx.update(grads, opt_state, params, loss=loss,
-                                           scale_stats=stats)
-            return optax.apply_updates(params, updates), opt_state, loss
-
+    scaling = alj.dynamic() if config == "dynamic" else alj.adaptive(
+        groups="global" if config == "adaptive-global" else "module")
+    tx, step = scaled_step(loss_fn, optax.adamw(1e-3), scaling)
     return tx, step
 
 

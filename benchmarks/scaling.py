@@ -53,6 +53,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from underflow_table import GPT  # noqa: E402
 
 import adaloss_jax as alj  # noqa: E402
+from adaloss_jax.bench._steps import scaled_step  # noqa: E402
 
 SIZES = {  # name: (layers, d_model, heads, context, global batch)
     "tiny": (2, 64, 4, 64, 16),
@@ -76,24 +77,9 @@ def make_step(config: str, mode: str, model, mesh):
         # Under shard_map the replicated parameters' gradients are summed over devices.
         return loss / n if mode == "shard_map" else loss
 
-    if config == "dynamic":
-        tx = alj.loss_scaled(inner, alj.dynamic(), axis_name=axis)
-
-        def body(params, opt_state, batch):
-            loss, grads = alj.value_and_grad(loss_fn)(opt_state, params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
-            return optax.apply_updates(params, updates), opt_state, loss
-    else:
-        scaler = alj.adaptive(groups="global" if config == "adaptive-global" else "module")
-        tx = optax.chain(alj.adaptive_unscale(scaler, axis_name=axis),
-                         alj.skip_nonfinite(inner))
-
-        def body(params, opt_state, batch):
-            loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(
-                opt_state, params, batch)
-            updates, opt_state = tx.update(grads, opt_state, params, loss=loss,
-                                           scale_stats=stats)
-            return optax.apply_updates(params, updates), opt_state, loss
+    scaling = alj.dynamic() if config == "dynamic" else alj.adaptive(
+        groups="global" if config == "adaptive-global" else "module")
+    tx, body = scaled_step(loss_fn, inner, scaling, axis_name=axis)
 
     if mode == "spmd":
         return tx, jax.jit(body)

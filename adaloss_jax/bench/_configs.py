@@ -9,6 +9,7 @@ is the same trajectory, one step later), halving and skipping on overflow.
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from typing import Any
 
 import jax.numpy as jnp
@@ -28,11 +29,10 @@ class Config:
     dtype: Any
     kind: str
     adaptive: dict | None = None  # keyword arguments of alj.adaptive()
+    make_policy: Callable[[], Any] = alj.no_scaling  # the global policy of kind "policy"
 
     def policy(self):
-        if self.name == "fp16-dynamic":
-            return alj.dynamic(initial_scale=DYNAMIC_START, period=DYNAMIC_PERIOD)
-        return alj.no_scaling()
+        return self.make_policy()
 
     def scaler(self) -> alj.AdaptiveScale:
         return alj.adaptive(**self.adaptive)
@@ -53,7 +53,8 @@ CONFIGS: dict[str, Config] = {
                "policy"),
         Config("fp16-none", "float16 compute, no loss scaling", jnp.float16, "policy"),
         Config("fp16-dynamic", "float16, dynamic global scaling (alj.dynamic, period 200)",
-               jnp.float16, "policy"),
+               jnp.float16, "policy", make_policy=lambda: alj.dynamic(
+                   initial_scale=DYNAMIC_START, period=DYNAMIC_PERIOD)),
         Config("fp16-flax", "float16, flax DynamicScale (growth_interval 199): the anchor",
                jnp.float16, "flax"),
         _ada("fp16-ada-global", "float16, one statistics-driven scale (adaptive, amax rule)",

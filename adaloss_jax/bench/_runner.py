@@ -26,7 +26,8 @@ import optax
 from flax.training.dynamic_scale import DynamicScale
 
 import adaloss_jax as alj
-from adaloss_jax.bench import _configs
+from adaloss_jax import _adaptive
+from adaloss_jax.bench import _configs, _steps
 from adaloss_jax.bench._configs import Config
 from adaloss_jax.bench._tasks import Task
 
@@ -37,11 +38,6 @@ REGIMES = ("tiny", "ordinary")
 def probe_steps(steps: int) -> list[int]:
     """The steps whose gradients are probed: the first two, then quarters, the last."""
     return sorted({0, 1, steps // 4, steps // 2, 3 * steps // 4, steps - 1})
-
-
-def _leaf_names(tree) -> list[str]:
-    return ["/".join(str(getattr(k, "key", k)) for k in path)
-            for path, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
 
 
 def module_of(leaf: str) -> str:
@@ -92,16 +88,12 @@ class Runner:
             return loss * mult, new_state
 
         kind = config.kind
-        if kind == "policy":
-            tx = alj.loss_scaled(inner, config.policy())
-            vg = alj.value_and_grad(loss_fn, has_aux=True)
-        elif kind == "adaptive":
-            self.scaler = config.scaler()
-            tx = optax.chain(alj.adaptive_unscale(self.scaler), alj.skip_nonfinite(inner))
-            vg = alj.adaptive_value_and_grad(loss_fn, self.scaler, has_aux=True)
-        elif kind == "flax":
+        if kind == "flax":
             tx = inner
-            vg = None
+        elif kind in ("policy", "adaptive"):
+            scaling = config.policy() if kind == "policy" else config.scaler()
+            tx = _steps.scaled_tx(inner, scaling)
+            vg = _steps.scaled_value_and_grad(loss_fn, scaling, has_aux=True)
         else:
             raise ValueError(f"config {config.name}: unknown kind {kind!r}")
         self.tx = tx
@@ -113,11 +105,8 @@ class Runner:
                 ds, finite, (loss, new_state), grads = ds.value_and_grad(
                     loss_fn, has_aux=True)(params, model_state, batch)
                 return loss, new_state, grads, {}, ds, finite
-            (loss, new_state), grads, *stats = vg(opt_state, params, model_state, batch)
-            kw = {"loss": loss}
-            if stats:
-                kw["scale_stats"] = stats[0]
-            return loss, new_state, grads, kw, ds, None
+            (loss, new_state), grads, kw = vg(opt_state, params, model_state, batch)
+            return loss, new_state, grads, {"loss": loss, **kw}, ds, None
 
         def step(carry, batch):
             params, model_state, opt_state, _ = carry
@@ -172,7 +161,7 @@ class Runner:
         """Trains ``self.steps`` steps from ``seed``; returns the row (plain data)."""
         steps = self.steps
         carry = self.init(seed)
-        names = _leaf_names(carry[0])
+        names = ["/".join(p) for p in _adaptive._leaf_paths(carry[0])]
         batch = self.task.batches(seed, steps)
         probes_at = set(probe_steps(steps))
         probes, outs = [], []

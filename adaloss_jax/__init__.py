@@ -3,10 +3,12 @@
 from adaloss_jax._adaptive import (
     AdaptiveScale,
     AdaptiveScaleState,
+    ScaleStats,
     adaptive,
     adaptive_state,
     adaptive_unscale,
     adaptive_value_and_grad,
+    check_health,
     param_groups,
     scale_summary,
     scale_table,
@@ -23,6 +25,7 @@ from adaloss_jax._formats import (
     FloatFormat,
     float_format,
 )
+from adaloss_jax._points import scale_group
 from adaloss_jax._policies import (
     DynamicLossScale,
     LossScalePolicy,
@@ -56,7 +59,10 @@ __all__ = [
     "adaptive_state",
     "adaptive_unscale",
     "adaptive_value_and_grad",
+    "check_health",
     "param_groups",
+    "scale_group",
+    "ScaleStats",
     "scale_summary",
     "scale_table",
     "BFLOAT16",

@@ -1,34 +1,36 @@
-"""Adaptive per-layer loss scaling (Zhao et al., arXiv 1910.12385) for Flax linen models.
+"""Adaptive per-layer loss scaling (Zhao et al., arXiv 1910.12385), for any JAX model.
 
 How it works (all inside one ``jax.jit``):
 
-* **Scale groups** (``groups="module"``) are the modules that own parameters (keyed by
-  module path, e.g. ``"Block_0/attn"``), plus the root ``""`` whose scale multiplies the
-  loss; with the default ``groups="global"`` there is only the root. Each group
-  ``k`` has a power-of-two scale ``S_k = 2**s_k`` kept in fp32 in
+* **Scale groups** (``groups="module"``) are the modules (or :func:`scale_group`
+  functions) that own parameters directly, keyed by path (``"Block_0/attn"``), plus the
+  root ``""`` whose scale multiplies the loss; with ``groups="global"`` there is only
+  the root. Each group ``k`` has a power-of-two scale ``S_k = 2**s_k`` kept in fp32 in
   :class:`AdaptiveScaleState`.
-* **Scale points** are ``custom_vjp`` identities that ``flax.linen.intercept_methods``
-  puts around every call of a selected module, without changing the model. In the
-  backward pass, a cotangent entering module ``k`` (at its parent's scale ``S_p``) is
-  multiplied by ``S_k / S_p``; a cotangent leaving it through the module's inputs is
-  multiplied by ``S_p / S_k``. So every module's internals run at their own scale and
-  everything outside it is back at the parent's scale: cotangents that autodiff sums
-  (residuals, q/k/v from one input, a module applied twice, a tied embedding used as
-  the output head) always meet at one scale, for any graph. Parameters are keyed by
-  the module that owns them, so a tied or reused module's gradient contributions are
-  all at that module's scale.
-* **Statistics** (amax, sum of squares, count and a non-finite flag of each cotangent at
-  the scale points; with ``statistic="quantile"`` also a histogram of its non-zero
-  elements by binade, ``floor(log2|x|)`` at the group's scale) are returned by the
-  backward pass as the cotangents of zero "dummy" inputs, one per module path with a slot
-  per call, so ``jax.value_and_grad`` hands them out with no side effects. Module calls
-  that are not a group of their own (parameter-free modules, or ones the filter rejects)
-  get a measure-only point whose statistics count for the enclosing group.
-* :func:`adaptive_unscale` unscales each parameter leaf by its own group's scale (in
+* **Scale points** (``custom_vjp`` identities, :mod:`adaloss_jax._points`) go around
+  every call of a module, put there by a front end (linen's ``intercept_methods``, NNX,
+  or :func:`scale_group`), without changing the model.
+* **Where conversions sit** (:mod:`adaloss_jax._stream`): the points cut the traced
+  program into regions; all cotangents of one region share one scale, and a point
+  converts a cotangent only where the scales of its two sides differ. A module's
+  interior runs at its own group's scale; a cotangent leaving a module keeps that
+  scale along the stream until it reaches a fan-in (a value with several consumers),
+  whose region runs at the smallest of its consumers' scales, so branches always meet
+  at one scale, for any graph. A parameter read at another scale than its owner's gets
+  a conversion of its own, so each parameter gradient is unscaled by the scale it was
+  computed at. The analysis is done once per program structure (cached).
+* **Statistics** of each cotangent where it arrives at a point (amax, sum of squares,
+  count, whether it or its conversion overflowed; with ``statistic="quantile"`` a
+  histogram by binade) come out of the backward pass as the cotangents of zero "dummy"
+  inputs, one per point, and count for every group that sets the scale of the region
+  they were measured in (shifted to that group's scale), so a value that exists at a
+  group's scale counts for it, and an overflow is blamed on the groups whose scales it
+  happened at.
+* :func:`adaptive_unscale` unscales each parameter leaf by its group's scale (in
   fp32), checks finiteness, skips exactly as :func:`adaloss_jax.unscale` does, and sets
   each group's next scale from this step's statistics::
 
-        amax_k = max(amax of k's scaled cotangents and parameter gradients) / S_k
+        amax_k = max(amax of k's measured cotangents and parameter gradients) / S_k
         s_k    = floor(log2(u_max) - margin - log2(amax_k))           # "amax"
         s_k    = min(s_k, max(0, ceil(log2(u_min / (sqrt(2) erfinv(T) sigma_k)))))  # "gaussian"
         s_k    = min(s_k, min{q : #{|x| 2**q < 2 u_min} <= T * n_k})   # "quantile", x over
@@ -38,75 +40,38 @@ How it works (all inside one ``jax.jit``):
                                       after n consecutive skipped steps (n capped at 4)
         s_k    = s_k + blind_jump     if nothing was measured (all of it flushed to zero);
                  blind_jump = floor(log2(u_max) - margin - log2(u_min) - 1), which cannot
-                 overflow what was below u_min / 2 (34 binades for fp16)
+                 overflow what was below u_min / 2
         s_k    = clip(s_k, log2(min_scale), log2(max_scale))
 
-  The scales used in a step are therefore one step old (delayed scaling, as Transformer
-  Engine's amax history). That is required for correctness: a module applied twice must
-  use the same scale in both backward passes, which a scale computed inside each
-  backward pass cannot guarantee. ``margin`` covers the staleness. An overflow skips
-  the step and backs off the groups that saw non-finite values: the one that overflowed
-  and those upstream that its non-finite cotangents reached (the groups nearer the loss
-  are untouched); the next step's statistics set them all again.
+  The scales used in a step are one step old (delayed scaling, as Transformer Engine's
+  amax history): a module applied twice must use the same scale in both backward
+  passes, which a scale computed inside each backward pass cannot guarantee. ``margin``
+  covers the staleness. An overflow skips the step and backs off the groups that saw
+  non-finite values.
 
-``groups="global"`` (the default) is the same method with one group: every scale point
-measures at the root scale (ratio 1, no conversions), giving one statistics-driven global
-scale, the baseline that isolates what per-layer scales add (``groups="module"``).
+``groups="global"`` is the same method with one group: every point measures at the root
+scale (no conversions), giving one statistics-driven global scale, the baseline that
+isolates what per-layer scales add.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
 import math
+import warnings
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
 import optax
-from flax import linen as nn
 from jax.scipy.special import erfinv
 
-from adaloss_jax import _formats, _policies, _transforms, _validation
+from adaloss_jax import _formats, _points, _policies, _stream, _transforms, _validation
+from adaloss_jax._points import _HIST_BELOW, _NBINS, pow2
 from adaloss_jax._policies import LossScaleState
 
 ROOT = ""
-# Slots per statistics key: the calls of one module (or the measure-only points of one
-# context) each get a slot, so that amax is a max over them; calls beyond the last slot
-# add into it (a sum of amaxes: conservative).
-_SLOTS = 4
-
-
-def pow2(n) -> jax.Array:
-    """``2.0 ** n`` in fp32, exactly, for integer-valued ``n`` (``jnp.exp2`` is not exact on
-    CPU); inf above 2**127 and 0 below 2**-126 (as jitted ``jnp.ldexp`` on CPU, which
-    flushes fp32 subnormals).
-
-    Written as the exponent bits (4 scalar ops, against ~50 for ``jnp.ldexp``): every
-    converted module boundary calls it.
-    """
-    n = jnp.clip(jnp.asarray(n), -127, 128).astype(jnp.int32)
-    # Biased exponent n + 127 and a zero mantissa; n = -127 gives 0.0 and n = 128 inf.
-    return jax.lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
-
-
-# Statistics rows: 0 = where the cotangent enters a module (its output), 1 = where it
-# leaves (its inputs). Columns:
-_AMAX, _SUMSQ, _COUNT, _NONFINITE = range(4)
-_NSTATS = 4
-# statistic="quantile" appends a histogram of the cotangents' binades (counts of non-zero
-# elements by floor(log2|x|) at the group's scale) to each row: _NBINS bins starting
-# _HIST_BELOW binades below the format's smallest subnormal (the lowest bin also counts
-# everything below it, the highest everything above).
-_NBINS = 56
-_HIST_BELOW = 16
-
-
-def _width(scaler: AdaptiveScale) -> int:
-    """Columns of a statistics row."""
-    return _NSTATS + (_NBINS if scaler.statistic == "quantile" else 0)
-
 
 @dataclasses.dataclass(frozen=True)
 class AdaptiveScale:
@@ -122,13 +87,9 @@ class AdaptiveScale:
         rule; the lowest binade is kept clear because values rounded up from below
         ``u_min`` land there, so more than ``threshold`` there means a cut-off tail and
         the amax rule alone applies; costs a scatter-add pass over every measured
-        cotangent). Measured: gradients are far from normal (the largest value is
-        ~2^10 sigma on a deep MLP), so "gaussian" flushes 3-5% of gradient elements
-        where "amax" flushes ~0.01%. On the byte GPT (tiny-gradient regime, seed 0)
-        "quantile" kept the global scale 5 binades lower than "amax" (2^30 vs 2^35: more
-        headroom) at the same bits/byte (3.3068 both), for ~1.1x (global) to ~1.4x (per
-        module) the step time on CPU; it buys headroom, not quality, so "amax" is the
-        default.
+        cotangent). Gradients are far from normal, so "gaussian" flushes more than
+        "amax"; "quantile" buys headroom rather than quality; hence "amax" is the
+        default (measurements: docs/results.md).
       threshold: ``T``, the tolerated underflow share for ``"gaussian"`` and
         ``"quantile"``.
       interval: ``F``: recompute the scales from statistics only on steps where the
@@ -139,25 +100,26 @@ class AdaptiveScale:
         so this saves no time; it only makes the scales move less often.
       margin: binades kept free below the format's max (headroom for a one-step-old
         scale). Default (``None``): 4, or 2 for a format spanning fewer than 30 binades
-        (fp8 e4m3fn's 18). Measured on the bench's byte GPT with e4m3 cotangents (tiny
-        regime, seed 0): margin 4 flushed 9.8% of gradient elements and cost +0.12
-        bits/byte against fp32; margin 2 flushed 5.8% and matched fp32; margin 1 skipped
-        4 steps on overflow.
+        (fp8 e4m3fn's 18), where 4 costs too much of the range (docs/results.md).
       grad_dtype: the format cotangents are stored in (``u_min``/``u_max`` come from it).
       groups: ``"global"`` (default: one statistics-driven scale for everything,
-        measured at every module boundary) or ``"module"`` (one scale per
-        parameter-owning module). Default chosen by measurement: on a 4-layer byte GPT
-        (tiny-gradient regime, 3 seeds) and a 16-layer plain MLP both closed the gap to
-        fp32 equally, and per-module costs ~1.2-1.3x step time on CPU against ~1.0x.
+        measured at every module boundary) or ``"module"`` (one scale per module that
+        owns parameters, persisting along the backward stream). The default and the
+        measurements behind it are in docs/results.md.
       initial_scale: scale of every group before the first statistics.
       min_scale / max_scale: bounds, powers of two.
       backoff: binades a group backs off by when its cotangents or gradients overflow.
+      max_consecutive_skips: ``K``: after ``K`` skipped steps in a row the state's
+        ``health`` says so (:func:`check_health` explains it outside jit); scales that
+        cannot move any more (pinned at ``min_scale`` while overflowing, or at
+        ``max_scale`` with nothing measured) are flagged at once.
       filter: ``(module_path: tuple[str, ...], module) -> bool``; modules it rejects get
-        no scale point and run at their parent's scale. Default: every module that owns
-        parameters.
-      simulate: round every cotangent to ``grad_dtype`` where it enters a scale group,
-        after scaling (a *simulation* of fp8 gradients in an fp16/fp32 model; values
-        are rounded to the format and kept in the compute dtype).
+        no scale point: they run in the region around them and their parameters join
+        the nearest selected enclosing group (or the root). Default: every module.
+      simulate: round every cotangent to ``grad_dtype`` where it enters a module that
+        owns parameters, after its conversion (a *simulation* of fp8 gradients in an
+        fp16/fp32 model; values are rounded to the format and kept in the compute
+        dtype).
 
     The reference's two other statistics are left out. Its gradient-times-weight
     statistic models the products a layer's backward GEMM forms, to predict its input
@@ -178,6 +140,7 @@ class AdaptiveScale:
     min_scale: float = 2.0**-24
     max_scale: float = 2.0**64
     backoff: int = 4
+    max_consecutive_skips: int = 16
     filter: Callable[[tuple[str, ...], Any], bool] | None = None
     simulate: bool = False
 
@@ -199,6 +162,7 @@ class AdaptiveScale:
             object.__setattr__(self, "margin", 4 if wide else 2)
         _validation.check_int("margin", self.margin, minimum=0)
         _validation.check_int("backoff", self.backoff, minimum=1)
+        _validation.check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
         _validation.check_power_of_two("initial_scale", self.initial_scale)
         _validation.check_power_of_two("min_scale", self.min_scale)
         _validation.check_power_of_two("max_scale", self.max_scale)
@@ -247,12 +211,44 @@ class AdaptiveScaleState(NamedTuple):
       log2_amax: ``{group: fp32 scalar}``, ``log2`` of the group's unit-scale amax at the
         last step (``-inf`` when nothing was measured).
       overflowed: ``{group: bool}``, whether the group was non-finite at the last step.
+      health: int32 bit set, 0 when all is well: ``HEALTH_SKIPPING`` (at least
+        ``max_consecutive_skips`` skipped steps in a row), ``HEALTH_PINNED_LOW`` (a group
+        overflowed at ``min_scale``: backing off cannot help), ``HEALTH_NOTHING_MEASURED``
+        (a group measured nothing at ``max_scale``: its gradients are zero, or the loss
+        does not reach it). :func:`check_health` explains the bits (outside jit).
     """
 
     base: LossScaleState
     log2_scales: dict
     log2_amax: dict
     overflowed: dict
+    health: jax.Array
+
+
+HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
+
+
+class ScaleStats(NamedTuple):
+    """What the backward pass measured, per active group (``{group: value}``), handed by
+    :func:`adaptive_value_and_grad` to :func:`adaptive_unscale` as ``scale_stats``.
+
+    Attributes:
+      log2_scales: the scale each group's gradients were computed at (the one they are
+        unscaled by).
+      amax: the largest measured cotangent magnitude at the group's scale (inf if a
+        value was not finite).
+      bad: whether a value measured for the group, or its conversion, overflowed.
+      sumsq / count: sum of squares and element count (the gaussian rule).
+      hist: per-binade histogram at the group's scale (``statistic="quantile"``), or
+        ``{}``.
+    """
+
+    log2_scales: dict
+    amax: dict
+    bad: dict
+    sumsq: dict
+    count: dict
+    hist: dict
 
 
 # --------------------------------------------------------------------------- groups
@@ -280,9 +276,23 @@ def _leaf_paths(tree) -> list[tuple[str, ...]]:
     return paths
 
 
+def _natural(name: str):
+    """Sort key that puts ``Dense_2`` before ``Dense_10``."""
+    import re
+
+    return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
+
+
+def _owner_paths(params) -> list[tuple[str, ...]]:
+    """The module path that owns each leaf directly."""
+    return [p[:-1] for p in _leaf_paths(params)]
+
+
 def param_groups(params, scaler: AdaptiveScale) -> list[str]:
-    """The scale groups of a parameter tree: the root and every module owning parameters."""
-    return sorted({_key_group(k, scaler) for k in stats_keys(params)})
+    """The scale groups of a parameter tree: the root and, with ``groups="module"``, every
+    module that owns parameters directly, in natural order."""
+    groups = {ROOT} | {scaler.group_of(o) for o in _owner_paths(params) if o}
+    return sorted(groups, key=_natural)
 
 
 def _leaf_group(path: tuple[str, ...], active: set[str], scaler: AdaptiveScale) -> str:
@@ -294,275 +304,293 @@ def _leaf_group(path: tuple[str, ...], active: set[str], scaler: AdaptiveScale) 
     return ROOT
 
 
-# ----------------------------------------------------------------------- scale points
+# ----------------------------------------------------------------------- the grad helper
 
 
-class _PointConfig(NamedTuple):
-    """Static configuration of a scale point (hashable: a custom_vjp nondiff argument)."""
+def _selector(scaler: AdaptiveScale, owners: set[tuple[str, ...]]) -> Callable:
+    """``(path, module) -> "group" | "measure" | None`` for :class:`_points.Points`: a
+    module that owns parameters directly is a group, any other call is measured and cut,
+    and a module the filter rejects gets no point."""
 
-    row: int  # 0: where the cotangent enters the module (its output); 1: where it leaves
-    convert: bool  # False when the ratio is 1 by construction (same group on both sides)
-    sumsq: bool  # whether the statistic needs the sum of squares (the gaussian rule)
-    fmt_max: float  # the cotangent format's largest finite value
-    simulate: Any = None  # a dtype to round entering cotangents to (fp8 simulation)
-    slot: int = 0  # which slot of the statistics key this point writes
-    hist_lo: int | None = None  # binade of the histogram's lowest bin; None: no histogram
+    def selects(path, module):
+        if scaler.filter is not None and module is not None and not scaler.filter(path, module):
+            return None
+        return "group" if path in owners else "measure"
 
-
-def _binade_hist(cts: tuple[jax.Array, ...], factor, lo: int) -> jax.Array:
-    """Counts of the non-zero elements of ``factor * ct`` by ``floor(log2|x|)``, in
-    ``_NBINS`` bins from binade ``lo`` (clipped at both ends), as fp32.
-
-    The binade is read from the fp32 exponent bits (exact for every fp16/fp8 value,
-    subnormals included) and shifted by ``log2(factor)``, so nothing is multiplied.
-    Measured on CPU: a scatter-add into the bins costs ~2.5x an amax pass, a
-    compare-and-sum over the bins ~300x, so this scatters.
-    """
-    shift = jnp.frexp(factor)[1] - 1  # log2 of the power-of-two factor, exactly
-    hist = jnp.zeros((_NBINS,), jnp.int32)
-    for ct in cts:
-        bits = jax.lax.bitcast_convert_type(ct.astype(jnp.float32), jnp.int32)
-        binade = ((bits >> 23) & 0xFF) - 127 + shift
-        idx = jnp.clip(binade - lo, 0, _NBINS - 1).reshape(-1)
-        hist = hist.at[idx].add((ct != 0).reshape(-1).astype(jnp.int32))
-    return hist.astype(jnp.float32)
+    return selects
 
 
-def _stats(cts: tuple[jax.Array, ...], factor, cfg: _PointConfig) -> jax.Array:
-    """Statistics of ``factor * ct`` (amax, sum of squares, count, non-finite flag, and
-    the binade histogram when ``cfg.hist_lo`` is set).
-
-    ``amax`` is taken on the cotangent as it is and multiplied by the (power-of-two)
-    factor, which is exact; a converted value above the format's max would be inf, so
-    it counts as non-finite. One read of each cotangent: non-finite elements enter the
-    max as inf, so the max alone also answers "all finite?" (not ``max(|ct|)`` alone:
-    XLA's CPU max reduction can drop a NaN). The amax of a non-finite cotangent is then
-    inf, which the scale rule never reads (the group backs off instead).
-    """
-    amax = jnp.zeros((), jnp.float32)
-    sumsq = jnp.zeros((), jnp.float32)
-    for ct in cts:
-        mag = jnp.where(jnp.isfinite(ct), jnp.abs(ct), jnp.asarray(jnp.inf, ct.dtype))
-        amax = jnp.maximum(amax, jnp.max(mag, initial=0).astype(jnp.float32))
-        if cfg.sumsq:
-            c = ct.astype(jnp.float32)
-            sumsq = sumsq + jnp.sum(c * c)
-    amax = amax * factor
-    sumsq = sumsq * factor * factor
-    bad = jnp.logical_not(amax <= cfg.fmt_max).astype(jnp.float32)
-    count = jnp.float32(sum(ct.size for ct in cts))
-    row = jnp.stack([amax, sumsq, count, bad])
-    if cfg.hist_lo is None:
-        return row
-    return jnp.concatenate([row, _binade_hist(cts, factor, cfg.hist_lo)])
+def _point_config(scaler: AdaptiveScale) -> _points.PointConfig:
+    hist_lo = None
+    if scaler.statistic == "quantile":
+        hist_lo = scaler.format.min_exponent - _HIST_BELOW
+    return _points.PointConfig(convert=False, measure=True, sumsq=scaler.statistic == "gaussian",
+                               fmt_max=scaler.format.max, hist_lo=hist_lo)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _scale_point(cfg: _PointConfig, xs: tuple, ratio: jax.Array, dummy: jax.Array):
-    """Identity on ``xs``; backward multiplies the cotangents by ``ratio`` and returns
-    their statistics (measured at the module's scale) as ``dummy``'s cotangent."""
-    del ratio, dummy
-    return xs
+class _Analysis(NamedTuple):
+    plan: _stream.Plan
+    active: frozenset  # groups in use: the root and the selected owners
+    owners: tuple  # group of each parameter leaf
+    rows: tuple  # (y anchors, x anchors) of each statistics row, in point order
 
 
-def _scale_point_fwd(cfg, xs, ratio, dummy):
-    del dummy
-    return xs, ratio
+def _rows(plan: _stream.Plan) -> tuple:
+    rows = []
+    for pp in plan.points:
+        if pp.x is None:
+            continue
+        for xa, ya in dict.fromkeys(zip(pp.x, pp.y)):
+            rows.append((ya, xa))
+    return tuple(rows)
 
 
-def _scale_point_bwd(cfg, ratio, cts):
-    if cfg.convert:
-        converted = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
-    else:
-        converted = cts
-    if cfg.simulate is not None and cfg.row == 0:
-        converted = tuple(c.astype(cfg.simulate).astype(c.dtype) for c in converted)
-    # Row 0 measures after entering the module's scale, row 1 before leaving it.
-    factor = ratio if (cfg.row == 0 and cfg.convert) else jnp.float32(1.0)
-    stats = _reduce_over_mapped_axes(_stats(cts, factor, cfg), cts)
-    # A pad, not ``zeros.at[slot, row].set``: XLA sees a scatter in the latter.
-    pads = [(cfg.slot, _SLOTS - 1 - cfg.slot, 0), (cfg.row, 1 - cfg.row, 0), (0, 0, 0)]
-    stats = jax.lax.pad(stats[None, None], jnp.float32(0.0), pads)
-    return converted, jnp.zeros_like(ratio), stats
+def _structure_key(params, args, kwargs) -> tuple:
+    """What the plan depends on: tree structures, shapes and dtypes, and the values of
+    non-array arguments (flags such as ``train=True``)."""
 
-
-def _varying_axes(x) -> set:
-    aval = jax.typeof(x)
-    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
-    if mat is not None:
-        return set(mat.varying)
-    return set(getattr(aval, "vma", ()) or ())  # earlier releases
-
-
-def _reduce_over_mapped_axes(stats: jax.Array, cts: tuple) -> jax.Array:
-    """Under ``shard_map`` the cotangents may vary over mapped axes while the dummy does
-    not; a custom_vjp cotangent must have its input's type, so reduce the statistics over
-    those axes here (amax by max, sums by sum): they become global, as under SPMD jit."""
-    axes = set()
-    for c in cts:
-        axes |= _varying_axes(c)
-    if not axes:
-        return stats
-    axes = tuple(sorted(axes))
-    amax = jax.lax.pmax(stats[_AMAX], axes)
-    rest = jax.lax.psum(stats[_AMAX + 1 :], axes)
-    return jnp.concatenate([amax[None], rest])
-
-
-_scale_point.defvjp(_scale_point_fwd, _scale_point_bwd)
-
-
-def _is_float(x) -> bool:
-    return isinstance(x, jax.Array | jnp.ndarray) and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-def _apply_point(tree, cfg: _PointConfig, ratio, dummy):
-    leaves, treedef = jax.tree_util.tree_flatten(tree)
-    idx = [i for i, x in enumerate(leaves) if _is_float(x)]
-    if not idx:
-        return tree
-    out = _scale_point(cfg, tuple(leaves[i] for i in idx), ratio, dummy)
-    leaves = list(leaves)
-    for i, x in zip(idx, out):
-        leaves[i] = x
-    return jax.tree_util.tree_unflatten(treedef, leaves)
-
-
-class _Interceptor:
-    """Puts scale points around module calls (trace time).
-
-    A module call whose path is a scale group gets a full scale point: its cotangents
-    are converted into the group's scale where they enter and back where they leave, and
-    measured at both places. Any other module call (parameter-free, or rejected by the
-    filter) gets a measure-only point on its output, counted in the enclosing group, so
-    that a large cotangent inside a group (attention probabilities, say) is seen.
-    Statistics go to the dummy of the module's own path (or the enclosing one's), one
-    slot per call.
-    """
-
-    def __init__(self, scaler, log2_scales, dummies):
-        self.scaler = scaler
-        self.log2 = log2_scales
-        self.dummies = dummies
-        self.stack: list[tuple[str, tuple[str, ...]]] = []  # (group, module path)
-        self.used: set[str] = set()  # statistics keys written
-        self.calls: dict[str, int] = {}
-        self.selected = 0  # scale points (not measure-only) inserted
-        self.dtypes: set = set()  # dtypes of the floating module outputs seen
-        sim = scaler.format.dtype if scaler.simulate else None
-        hist_lo = None
-        if scaler.statistic == "quantile":
-            hist_lo = scaler.format.min_exponent - _HIST_BELOW
-        self.cfg = _PointConfig(0, True, scaler.statistic == "gaussian", scaler.format.max, sim,
-                                hist_lo=hist_lo)
-
-    def __call__(self, next_fun, args, kwargs, context):
-        """The ``flax.linen.intercept_methods`` entry point."""
-        module = context.module
-        if context.method_name == "setup" or module.scope is None:
-            return next_fun(*args, **kwargs)
-        return self.wrap(tuple(module.scope.path), module, next_fun, args, kwargs)
-
-    def _slot(self, key: str) -> int:
-        n = self.calls.get(key, 0)
-        self.calls[key] = n + 1
-        self.used.add(key)
-        return min(n, _SLOTS - 1)
-
-    def wrap(self, path, module, next_fun, args, kwargs):
-        """Runs ``next_fun(*args, **kwargs)`` as a call of the module at ``path``."""
-        if self.stack and self.stack[-1][1] == path:  # a method calling another one
-            return next_fun(*args, **kwargs)
-        key = "/".join(path)
-        group = self.scaler.group_of(path)
-        parent = self.stack[-1][0] if self.stack else ROOT
-        selected = key in self.dummies and group in self.log2 and (
-            self.scaler.filter is None or self.scaler.filter(path, module)
-        )
-        if not selected:
-            out = next_fun(*args, **kwargs)
-            self._note_dtypes(out)
-            ctx_key = "/".join(self.stack[-1][1]) if self.stack else ROOT
-            cfg = self.cfg._replace(row=0, convert=False, simulate=None,
-                                    slot=self._slot(ctx_key))
-            return _apply_point(out, cfg, jnp.float32(1.0), self.dummies[ctx_key])
-        convert = group != parent
-        into, back = self._ratio(group, parent), self._ratio(parent, group)
-        dummy = self.dummies[key]
-        slot = self._slot(key)
-        args, kwargs = _apply_point(
-            (args, kwargs), self.cfg._replace(row=1, convert=convert, slot=slot), back, dummy
-        )
-        self.selected += 1
-        self.stack.append((group, path))
+    def leaf_key(x):
+        if hasattr(x, "shape") and hasattr(x, "dtype"):
+            return (tuple(x.shape), str(x.dtype), bool(getattr(x, "weak_type", False)))
         try:
-            out = next_fun(*args, **kwargs)
-        finally:
-            self.stack.pop()
-        self._note_dtypes(out)
-        return _apply_point(out, self.cfg._replace(row=0, convert=convert, slot=slot), into,
-                            dummy)
+            hash(x)
+            return ("v", x)
+        except TypeError:
+            return ("id", id(x))
+
+    out = []
+    for tree in (params, args, kwargs):
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        out.append((treedef, tuple(leaf_key(x) for x in leaves)))
+    return tuple(out)
 
 
-    def _ratio(self, to: str, frm: str):
-        """``S_to / S_from`` (not cached across calls: a value built inside a lifted
-        transform such as ``nn.remat`` or ``nn.scan`` must not leak out of it)."""
-        if to == frm:
-            return jnp.float32(1.0)
-        return pow2(self.log2[to] - self.log2[frm])
+def _front_end_hooks() -> list:
+    """Context-manager factories ``hook(points)`` that make a framework report its module
+    calls to ``points``: linen's method interception when flax is installed."""
+    try:
+        from adaloss_jax.flax import _linen_hook
+    except ImportError:  # no flax: scale_group() is the way in
+        return []
+    return [_linen_hook.intercept]
 
-    def _note_dtypes(self, out) -> None:
-        for x in jax.tree_util.tree_leaves(out):
-            if _is_float(x):
-                self.dtypes.add(jnp.dtype(x.dtype))
 
-    def check(self) -> None:
-        """After tracing: refuse a loss that called no module, or a filter that selected
-        none; say once when no fp16/fp8 value crossed a module boundary."""
-        if not self.calls:
+class _Hooks:
+    def __init__(self, hooks, points):
+        self.cms = [h(points) for h in hooks]
+
+    def __enter__(self):
+        for cm in self.cms:
+            cm.__enter__()
+
+    def __exit__(self, *exc):
+        for cm in reversed(self.cms):
+            cm.__exit__(*exc)
+
+
+def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
+    """Traces the loss once with recording points and plans where conversions go."""
+    leaves, treedef = jax.tree_util.tree_flatten(params)
+    paths = _leaf_paths(params)
+    owner_paths = {p[:-1] for p in paths if len(p) > 1}
+    points = _points.Points(_point_config(scaler), _selector(scaler, owner_paths))
+
+    def rec(lv):
+        lv = _points.record_params(list(lv))
+        points.skip = frozenset(id(x) for x in lv)
+        with points, _Hooks(hooks, points):
+            out = fun(jax.tree_util.tree_unflatten(treedef, lv), *args, **kwargs)
+        return jnp.asarray(out[0] if has_aux else out)
+
+    closed = jax.make_jaxpr(rec)(leaves)
+    group_calls = {"/".join(c.path) for c in points.calls if c.group}
+    if scaler.groups == "module":
+        if not points.reported:
             raise ValueError(
-                "no Flax module was called inside the loss function; the scale points go "
-                "around module calls, so call model.apply(...) (linen) or the model (NNX) "
-                "inside it"
+                "groups='module' found no module call inside the loss function: call the "
+                "Flax model (model.apply(...) for linen, the model for NNX) inside it, or "
+                "mark layer functions with adaloss_jax.scale_group(name) (pure JAX), or use "
+                "groups='global'"
             )
-        if self.selected == 0:
+        if not group_calls:
             raise ValueError(
-                f"the filter {self.scaler.filter!r} selected no module that owns parameters: "
-                f"no scale point was inserted; pass a filter that accepts at least one module "
+                f"the filter {scaler.filter!r} selected no module that owns parameters: "
+                f"no scale group was formed; pass a filter that accepts at least one module "
                 f"(or filter=None for all)"
             )
-        narrow = {jnp.dtype(jnp.float16), jnp.dtype(self.scaler.format.dtype)}
-        if not self.dtypes & narrow:
-            _policies.notice_once(
-                "wide-model",
-                f"adaloss_jax: no float16 value crossed a module boundary (saw "
-                f"{sorted(d.name for d in self.dtypes)}): bf16/fp32 compute needs no loss "
-                f"scaling; adaloss_jax.no_scaling() (or no scaler) does the same for less",
+    narrow = {jnp.dtype(jnp.float16), jnp.dtype(scaler.format.dtype)}
+    if points.calls and not points.dtypes & narrow:
+        _policies.notice_once(
+            "wide-model",
+            f"adaloss_jax: no float16 value crossed a module boundary (saw "
+            f"{sorted(d.name for d in points.dtypes)}): bf16/fp32 compute needs no loss "
+            f"scaling; adaloss_jax.no_scaling() (or no scaler) does the same for less",
+        )
+    active = frozenset({ROOT} | (group_calls if scaler.groups == "module" else set()))
+    owners = tuple(_leaf_group(p, active, scaler) for p in paths)
+    if scaler.groups == "global":
+        root = (ROOT,)
+        plan = _stream.Plan(
+            tuple(_stream.PointPlan((root,) * n, (root,) * n) for n in points.sizes),
+            tuple(root for _ in _points.param_owners_for(leaves, owners)),
+        )
+    else:
+        plan = _stream.analyse(closed.jaxpr, points.sizes,
+                               _points.param_owners_for(leaves, owners))
+    return _Analysis(plan, active, owners, _rows(plan))
+
+
+def _anchor_scales(log2: dict, pairs) -> tuple[dict, dict]:
+    """The log2 scale of every anchor set (the min over it) and the ratio of every
+    ``(x, y)`` pair, built once per step outside the model (a value built inside a
+    lifted transform such as ``nn.scan`` must not leak out of it)."""
+    sigma: dict = {}
+
+    def sig(a):
+        if a not in sigma:
+            v = log2[a[0]]
+            for g in a[1:]:
+                v = jnp.minimum(v, log2[g])
+            sigma[a] = v
+        return sigma[a]
+
+    ratios = {(x, y): pow2(sig(x) - sig(y)) for x, y in pairs if x != y}
+    for x, y in pairs:
+        sig(x), sig(y)
+    return sigma, ratios
+
+
+def _shift_hist(hist: jax.Array, k) -> jax.Array:
+    """A binade histogram seen at a scale ``2**k`` times larger (end bins keep
+    everything beyond them)."""
+    nb = hist.shape[-1]
+    c = jnp.concatenate([jnp.zeros((1,), hist.dtype), jnp.cumsum(hist)])
+    j = jnp.arange(1, nb)
+    inner = c[jnp.clip(j - k.astype(jnp.int32), 0, nb)]
+    c2 = jnp.concatenate([jnp.zeros((1,), hist.dtype), inner, c[-1:]])
+    return jnp.diff(c2)
+
+
+def _combine(an: _Analysis, row_stats: list, log2: dict, sigma: dict,
+             scaler: AdaptiveScale) -> ScaleStats:
+    """Per-point statistics rows -> per-group statistics at each group's scale."""
+    n0, ne = _points._NSTATS, _points._NSTATS + _points._NEXP
+    z = jnp.zeros((), jnp.float32)
+    amax = {g: z for g in an.active}
+    sumsq = {g: z for g in an.active}
+    count = {g: z for g in an.active}
+    bad = {g: jnp.asarray(False) for g in an.active}
+    hist = {g: jnp.zeros((_NBINS,), jnp.float32) for g in an.active} if (
+        scaler.statistic == "quantile") else {}
+    by_pair: dict = {}
+    for pair, st in zip(an.rows, row_stats):
+        by_pair.setdefault(pair, []).append(st)
+    bins = jnp.arange(_points._NEXP, dtype=jnp.int32)
+    for (ya, xa), sts in by_pair.items():
+        m = jnp.stack(sts)
+        # A row written n times (a point in a loop) holds a sum of n amaxes; its highest
+        # exponent bin bounds the max within a factor 2.
+        top = jnp.max(jnp.where(m[:, n0:ne] > 0, bins, 0), axis=1)
+        a = jnp.max(jnp.minimum(m[:, _points._AMAX], pow2(top - 126)), initial=0.0)
+        s2 = jnp.sum(m[:, _points._SUMSQ])
+        cnt = jnp.sum(m[:, _points._COUNT])
+        bad_y = jnp.sum(m[:, _points._BAD_Y]) > 0
+        bad_x = jnp.sum(m[:, _points._BAD_X]) > 0
+        h = jnp.sum(m[:, ne:], axis=0) if hist else None
+        for g in dict.fromkeys(ya + xa):
+            if ya == (g,):
+                f, k = None, None
+            else:
+                k = log2[g] - sigma[ya]
+                f = pow2(k)
+            amax[g] = jnp.maximum(amax[g], a if f is None else a * f)
+            sumsq[g] = sumsq[g] + (s2 if f is None else s2 * f * f)
+            count[g] = count[g] + cnt
+            bad[g] = bad[g] | (bad_y if g in ya else False) | (bad_x if g in xa else False)
+            if hist:
+                hist[g] = hist[g] + (h if k is None else _shift_hist(h, k))
+    used = {g: log2[g] for g in an.active}
+    return ScaleStats(used, amax, bad, sumsq, count, hist)
+
+
+def adaptive_value_and_grad(
+    fun: Callable[..., Any],
+    scaler: AdaptiveScale | None = None,
+    has_aux: bool = False,
+    *,
+    hooks: list | None = None,
+) -> Callable[..., tuple[Any, Any, ScaleStats]]:
+    """Like ``jax.value_and_grad(fun)`` with per-layer scale points inserted.
+
+    ``fun(params, *args, **kwargs)`` calls the model: a linen model's ``apply`` (any
+    number of times), or functions marked with :func:`scale_group`. Returns
+    ``g(opt_state, params, *args, **kwargs) -> (value, grads, stats)``: the unscaled
+    loss (or ``(loss, aux)``), the *scaled* parameter gradients and the
+    :class:`ScaleStats`; pass both to the optimizer as
+    ``tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)``.
+
+    The program's structure is analysed once per structure of ``(params, args,
+    kwargs)`` (a trace of ``fun`` with recording points) and cached on ``g``.
+    ``hooks`` (advanced): context-manager factories ``hook(points)`` that make a
+    framework report its module calls; default: linen's, when flax is installed.
+    """
+    scaler = AdaptiveScale() if scaler is None else scaler
+    _check_scaler(scaler)
+    hooks = _front_end_hooks() if hooks is None else list(hooks)
+    plans: dict = {}
+
+    def wrapped(opt_state, params, *args, **kwargs):
+        state = adaptive_state(opt_state)
+        log2 = state.log2_scales
+        key = _structure_key(params, args, kwargs)
+        an = plans.get(key)
+        if an is None:
+            an = plans[key] = _analyse(fun, scaler, hooks, has_aux, params, args, kwargs)
+        missing = sorted(set(an.active) - set(log2), key=_natural)
+        if missing:
+            raise ValueError(
+                f"the model has scale groups {missing[:5]} that the optimizer state does not "
+                f"know (state groups: {sorted(log2, key=_natural)[:8]}...); the state was "
+                f"built for another model: re-run tx.init(params) for this one"
             )
+        pairs = {(x, y) for pp in an.plan.points if pp.x is not None
+                 for x, y in zip(pp.x, pp.y)}
+        pairs |= {((o,), u) for o, u in zip(_points.param_owners_for(
+            jax.tree_util.tree_leaves(params), an.owners), an.plan.params) if u is not None}
+        sigma, ratios = _anchor_scales(log2, pairs)
+        leaves, treedef = jax.tree_util.tree_flatten(params)
+        cfg = _point_config(scaler)
+        width = _points.width(cfg.hist_lo is not None)
+        dummies = [jnp.zeros((width,), jnp.float32) for _ in an.rows]
+        owner_paths = {p[:-1] for p in _leaf_paths(params) if len(p) > 1}
+        sim = scaler.format.dtype if scaler.simulate else None
 
+        def scaled(lv, dummies):
+            lv = _points.convert_params(list(lv), list(an.owners), an.plan.params, ratios)
+            points = _points.Points(cfg, _selector(scaler, owner_paths), plan=an.plan,
+                                    ratios=ratios, simulate=sim, dummies=dummies)
+            points.skip = frozenset(id(x) for x in lv)
+            with points, _Hooks(hooks, points):
+                out = fun(jax.tree_util.tree_unflatten(treedef, lv), *args, **kwargs)
+            if points.count != len(an.plan.points):
+                raise ValueError(
+                    f"adaloss_jax: the loss function made {points.count} module calls where "
+                    f"the analysed trace made {len(an.plan.points)}; it must trace the same "
+                    f"way each time for the same input structure"
+                )
+            loss, aux = out if has_aux else (out, None)
+            loss32 = jnp.asarray(loss).astype(jnp.float32)
+            return loss32 * pow2(log2[ROOT]), (loss, aux)
 
-def stats_keys(params) -> list[str]:
-    """Keys of the statistics channel: the root and every parameter-owning module path."""
-    keys = {ROOT}
-    for path in _leaf_paths(params):
-        owner = path[:-1]
-        for i in range(1, len(owner) + 1):
-            keys.add("/".join(owner[:i]))
-    return sorted(keys)
+        (_, (loss, aux)), (g_leaves, row_stats) = jax.value_and_grad(
+            scaled, argnums=(0, 1), has_aux=True
+        )(leaves, dummies)
+        grads = jax.tree_util.tree_unflatten(treedef, g_leaves)
+        stats = _combine(an, row_stats, log2, sigma, scaler)
+        return ((loss, aux) if has_aux else loss), grads, stats
 
-
-def _key_group(key: str, scaler: AdaptiveScale) -> str:
-    """The scale group of a statistics key (a module path joined by "/")."""
-    return scaler.group_of(tuple(key.split("/"))) if key else ROOT
-
-
-def _dummies(params, scaler: AdaptiveScale) -> dict:
-    shape = (_SLOTS, 2, _width(scaler))
-    return {k: jnp.zeros(shape, jnp.float32) for k in stats_keys(params)}
-
-
-def _used_stats(stats: dict, used: set[str]) -> dict:
-    return {k: stats[k] for k in sorted(used | {ROOT})}
+    wrapped.plans = plans
+    return wrapped
 
 
 def adaptive_state(opt_state: Any) -> AdaptiveScaleState:
@@ -582,43 +610,6 @@ def _check_scaler(scaler) -> None:
         )
 
 
-def adaptive_value_and_grad(
-    fun: Callable[..., Any], scaler: AdaptiveScale, has_aux: bool = False
-) -> Callable[..., tuple[Any, Any, dict]]:
-    """Like ``jax.value_and_grad(fun)`` with per-module scale points inserted.
-
-    ``fun(params, *args, **kwargs)`` must call the linen model's ``apply`` (any number of
-    times). Returns ``g(opt_state, params, *args, **kwargs) -> (value, grads, stats)``:
-    the unscaled loss (or ``(loss, aux)``), the *scaled* parameter gradients and the
-    statistics (keyed by module path); pass both to the optimizer as
-    ``tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)``.
-    """
-    _check_scaler(scaler)
-
-    def wrapped(opt_state, params, *args, **kwargs):
-        state = adaptive_state(opt_state)
-        log2 = state.log2_scales
-        used: set[str] = set()
-
-        def scaled(params, dummies):
-            icpt = _Interceptor(scaler, log2, dummies)
-            with nn.intercept_methods(icpt):
-                out = fun(params, *args, **kwargs)
-            icpt.check()
-            used.update(icpt.used)
-            loss, aux = out if has_aux else (out, None)
-            loss32 = jnp.asarray(loss).astype(jnp.float32)
-            return loss32 * pow2(log2[ROOT]), (loss, aux)
-
-        (_, (loss, aux)), (grads, stats) = jax.value_and_grad(
-            scaled, argnums=(0, 1), has_aux=True
-        )(params, _dummies(params, scaler))
-        stats = _used_stats(stats, used)
-        return ((loss, aux) if has_aux else loss), grads, stats
-
-    return wrapped
-
-
 # ------------------------------------------------------------------------- optax side
 
 
@@ -627,16 +618,19 @@ def _reduce(x, op, axis_name):
 
 
 def adaptive_unscale(
-    scaler: AdaptiveScale, *, axis_name: str | None = None
+    scaler: AdaptiveScale | None = None, *, axis_name: str | None = None
 ) -> optax.GradientTransformationExtraArgs:
     """Unscales each parameter leaf by its own group's scale and updates the scales.
 
     Use as ``optax.chain(adaptive_unscale(scaler), skip_nonfinite(inner))`` and call
     ``tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)`` with the
-    outputs of :func:`adaptive_value_and_grad`. Skips are decided and signalled exactly
-    as in :func:`adaloss_jax.unscale`; the scale rule is in this module's docstring.
-    Without ``scale_stats`` only the root group is active (every leaf at the root scale).
+    outputs of :func:`adaptive_value_and_grad` (with the same ``scaler``; default
+    ``AdaptiveScale()``). Skips are decided and signalled exactly as in
+    :func:`adaloss_jax.unscale`; the scale rule is in this module's docstring.
+    ``scale_stats`` is required: without it nothing says which scale each gradient was
+    computed at, so the update is refused at trace time.
     """
+    scaler = AdaptiveScale() if scaler is None else scaler
     _check_scaler(scaler)
     fmt = scaler.format
     log2_max = math.log2(fmt.max)
@@ -650,9 +644,9 @@ def adaptive_unscale(
     e_min = fmt.min_exponent
     hist_lo = e_min - _HIST_BELOW
 
-    def _quantile_rule(st, s_g, axis_name):
+    def _quantile_rule(hist, s_g, axis_name):
         """The quantile rule's scale for a group (``+inf`` where it has no answer)."""
-        hist = _reduce(jnp.sum(st[..., _NSTATS:], axis=(0, 1)), jax.lax.psum, axis_name)
+        hist = _reduce(hist, jax.lax.psum, axis_name)
         below = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(hist)])
         # below[j] counts values under 2**(hist_lo + j) (at the group's scale s_g); the
         # largest j with below[j] <= T * n puts binade k at 2 u_min.
@@ -677,43 +671,46 @@ def adaptive_unscale(
             log2_scales={g: f32(s0) for g in groups},
             log2_amax={g: f32(-jnp.inf) for g in groups},
             overflowed={g: jnp.asarray(False) for g in groups},
+            health=jnp.zeros((), jnp.int32),
         )
 
     def update_fn(updates, state, params=None, *, loss=None, scale_stats=None, **extra):
         del params, extra
+        if not isinstance(scale_stats, ScaleStats):
+            raise ValueError(
+                "adaptive_unscale needs scale_stats=... (got "
+                f"{type(scale_stats).__name__}): the statistics that "
+                "adaloss_jax.adaptive_value_and_grad returns with the scaled gradients, as in "
+                "tx.update(grads, opt_state, params, loss=loss, scale_stats=stats). Gradients "
+                "of an unscaled loss (plain jax.grad) need no adaptive_unscale; for a stock "
+                "flax TrainState use adaloss_jax.flax.TrainState and train_step"
+            )
         log2 = state.log2_scales
-        stats = _group_stats({} if scale_stats is None else scale_stats, scaler)
-        unknown = sorted(set(stats) - set(log2))
+        used = scale_stats.log2_scales
+        unknown = sorted(set(used) - set(log2), key=_natural)
         if unknown:
             raise ValueError(
                 f"scale_stats has groups {unknown[:5]} that this optimizer state does not know "
-                f"(state groups: {sorted(log2)[:8]}...); the state was built for another model: "
-                f"re-run tx.init(params) for this one"
+                f"(state groups: {sorted(log2, key=_natural)[:8]}...); the state was built "
+                f"for another model: re-run tx.init(params) for this one"
             )
-        active = set(stats) | {ROOT}
+        active = set(used)
         paths = _leaf_paths(updates)
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         leaf_groups = [_leaf_group(p, active, scaler) for p in paths]
-        missing = sorted({g for g in leaf_groups if g not in log2})
-        if missing:
-            raise ValueError(
-                f"gradient leaves belong to groups {missing[:5]} unknown to the optimizer state; "
-                f"the state was built for another parameter tree: re-run tx.init(params)"
-            )
 
         # Per-group amax (at the group's scale) and overflow of the parameter gradients.
         # One read per leaf: non-finite elements enter the max as inf (not max(|x|) alone:
         # XLA's CPU max reduction can drop a NaN), so p_amax is inf iff the group's
         # parameter gradients are not all finite.
         p_amax = {g: jnp.zeros((), jnp.float32) for g in active}
-        inv = {g: pow2(-log2[g]) for g in sorted(set(leaf_groups))}
+        inv = {g: pow2(-used[g]) for g in sorted(set(leaf_groups))}
         out = []
         for g, leaf in zip(leaf_groups, leaves):
             x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
             mag = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.asarray(jnp.inf, x.dtype))
             p_amax[g] = jnp.maximum(p_amax[g], jnp.max(mag, initial=0.0))
             out.append(x * inv[g])
-        p_bad = {g: ~(a < jnp.inf) for g, a in p_amax.items()}
         updates = jax.tree_util.tree_unflatten(treedef, out)
 
         new_log2, new_amax, new_bad = dict(log2), dict(state.log2_amax), dict(state.overflowed)
@@ -724,32 +721,35 @@ def adaptive_unscale(
         recompute = state.base.total_applied % scaler.interval == 0
         grads_finite = jnp.asarray(True)
         informative = jnp.asarray(False)
-        for g in active:
-            st = stats.get(g, jnp.zeros((1, 2, _width(scaler)), jnp.float32))
-            amax = _reduce(jnp.maximum(jnp.max(st[..., _AMAX]), p_amax[g]), jax.lax.pmax,
-                           axis_name)
+        pinned_low = jnp.asarray(False)
+        pinned_high = jnp.asarray(False)
+        for g in sorted(active, key=_natural):
+            amax = _reduce(jnp.maximum(scale_stats.amax[g], p_amax[g]), jax.lax.pmax, axis_name)
             informative = informative | (amax > 0)
-            bad = (jnp.sum(st[..., _NONFINITE]) > 0) | p_bad[g]
+            bad = scale_stats.bad[g] | ~(p_amax[g] < jnp.inf)
             bad = _reduce(bad.astype(jnp.int32), jax.lax.pmax, axis_name) > 0
             grads_finite = grads_finite & ~bad
-            unit_log2_amax = jnp.log2(amax) - log2[g]  # -inf when nothing measured
+            unit_log2_amax = jnp.log2(amax) - used[g]  # -inf when nothing measured
             target = jnp.floor(log2_max - scaler.margin - unit_log2_amax)
             if scaler.statistic == "gaussian":
-                sumsq = _reduce(jnp.sum(st[:, 0, _SUMSQ]), jax.lax.psum, axis_name)
-                count = _reduce(jnp.sum(st[:, 0, _COUNT]), jax.lax.psum, axis_name)
-                unit_log2_sigma = 0.5 * jnp.log2(sumsq / jnp.maximum(count, 1.0)) - log2[g]
+                sumsq = _reduce(scale_stats.sumsq[g], jax.lax.psum, axis_name)
+                count = _reduce(scale_stats.count[g], jax.lax.psum, axis_name)
+                unit_log2_sigma = 0.5 * jnp.log2(sumsq / jnp.maximum(count, 1.0)) - used[g]
                 # The smallest power of two the normal model says is enough (ceil: floor
                 # would allow up to 2T), never below 1 (the reference's alpha >= 1).
                 under = jnp.maximum(jnp.ceil(gauss_c - unit_log2_sigma), 0.0)
                 target = jnp.where(sumsq > 0, jnp.minimum(target, under), target)
             if scaler.statistic == "quantile":
-                target = jnp.minimum(target, _quantile_rule(st, log2[g], axis_name))
+                target = jnp.minimum(target, _quantile_rule(scale_stats.hist[g], used[g],
+                                                            axis_name))
             # amax == 0: everything flushed (or no gradient at all). Every value was below
             # u_min / 2, so jumping by `blind_jump` binades still cannot overflow.
             grown = log2[g] + blind_jump
             if scaler.interval > 1:  # measured scales held between recomputations
                 target = jnp.where(recompute, target, log2[g])
             nxt = jnp.where(bad, log2[g] - drop, jnp.where(amax > 0, target, grown))
+            pinned_low = pinned_low | (bad & (log2[g] <= lo))
+            pinned_high = pinned_high | ((amax == 0) & (log2[g] >= hi))
             new_log2[g] = jnp.clip(nxt, lo, hi).astype(jnp.float32)
             new_amax[g] = jnp.where(bad, new_amax[g], unit_log2_amax).astype(jnp.float32)
             new_bad[g] = bad
@@ -766,18 +766,14 @@ def adaptive_unscale(
         base = _policies._count(state.base, grads_finite & informative, loss_finite)
         base = base._replace(loss_scale=pow2(new_log2[ROOT]))
         updates = _transforms.signal_skip(updates, base.last_applied)
-        return updates, AdaptiveScaleState(base, new_log2, new_amax, new_bad)
+        health = (
+            jnp.where(base.notfinite_count >= scaler.max_consecutive_skips, HEALTH_SKIPPING, 0)
+            | jnp.where(pinned_low, HEALTH_PINNED_LOW, 0)
+            | jnp.where(pinned_high & ~informative, HEALTH_NOTHING_MEASURED, 0)
+        ).astype(jnp.int32)
+        return updates, AdaptiveScaleState(base, new_log2, new_amax, new_bad, health)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-def _group_stats(stats: dict, scaler: AdaptiveScale) -> dict:
-    """``{path key: (slots, 2, n)}`` -> ``{group: (m, 2, n)}``, all rows of each group."""
-    rows: dict[str, list] = {}
-    for key, st in stats.items():
-        rows.setdefault(_key_group(key, scaler), []).append(
-            jnp.reshape(st, (-1, 2, _width(scaler))))
-    return {g: jnp.concatenate(v) for g, v in rows.items()}
 
 
 def scale_summary(opt_state: Any) -> dict:
@@ -803,10 +799,51 @@ def scale_table(opt_state: Any) -> str:
     """The per-group scales and last statistics as a text table (call outside jit)."""
     st = adaptive_state(opt_state)
     lines = [f"{'group':<40} {'log2 scale':>10} {'log2 unit amax':>15} {'overflowed':>10}"]
-    for g in sorted(st.log2_scales):
+    for g in sorted(st.log2_scales, key=_natural):
         amax = float(st.log2_amax[g])
         lines.append(
             f"{(g or '(root)'):<40} {float(st.log2_scales[g]):>10.0f} "
             f"{amax:>15.1f} {bool(st.overflowed[g])!s:>10}"
         )
     return "\n".join(lines)
+
+
+_HEALTH_TEXT = {
+    HEALTH_SKIPPING: (
+        "{k}+ steps in a row were skipped for non-finite gradients. If the loss is finite, "
+        "something non-finite appears in the backward pass at any scale (log or sqrt of 0, "
+        "inf * 0, a division by 0): find it with adaloss_jax.check_gradients or "
+        "jax.debug_nans; scaling cannot fix it."
+    ),
+    HEALTH_PINNED_LOW: (
+        "a group overflowed at min_scale, so backing it off cannot help: its backward pass "
+        "makes non-finite values at any scale, or min_scale is too high for this model; "
+        "lower min_scale or fix the non-finite operation."
+    ),
+    HEALTH_NOTHING_MEASURED: (
+        "nothing was measured at max_scale: the gradients are exactly zero (the loss does "
+        "not depend on the parameters, or everything is frozen); check that the loss "
+        "function returns a loss computed from params."
+    ),
+}
+
+
+def check_health(opt_state: Any, *, warn: bool = True) -> list[str]:
+    """What the adaptive state's ``health`` bits say, with the fix (call outside jit).
+
+    Returns one message per problem (empty when all is well) and, with ``warn``, issues
+    each as a ``RuntimeWarning`` once per process.
+    """
+    st = adaptive_state(opt_state)
+    bits = int(jax.device_get(st.health))
+    k = int(jax.device_get(st.base.notfinite_count))
+    msgs = [t.format(k=k) for b, t in _HEALTH_TEXT.items() if bits & b]
+    if warn:
+        for m in msgs:
+            if m not in _WARNED:
+                _WARNED.add(m)
+                warnings.warn(f"adaloss_jax: {m}", RuntimeWarning, stacklevel=2)
+    return msgs
+
+
+_WARNED: set = set()

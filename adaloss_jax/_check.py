@@ -90,12 +90,11 @@ def _compiled(loss_fn, reference_loss_fn, scaler):
     @jax.jit
     def compute(opt_state, params, args, kwargs):
         groups = leaf_groups[jax.tree_util.tree_structure(params)] = []
-        state = _adaptive.adaptive_state(opt_state)
         _, grads, stats = _adaptive.adaptive_value_and_grad(loss_fn, scaler)(
             opt_state, params, *args, **kwargs
         )
         ref = jax.grad(reference_loss_fn)(params, *args, **kwargs)
-        active = set(_adaptive._group_stats(stats, scaler)) | {_adaptive.ROOT}
+        active = set(stats.log2_scales)
         out = []
         for path, g, r in zip(
             _adaptive._leaf_paths(grads),
@@ -104,7 +103,7 @@ def _compiled(loss_fn, reference_loss_fn, scaler):
         ):
             group = _adaptive._leaf_group(path, active, scaler)
             groups.append(group)
-            scale = _adaptive.pow2(state.log2_scales[group])
+            scale = _adaptive.pow2(stats.log2_scales[group])
             out.append(_stats.tensor_stats(r, g, scale, fmt))
         return out
 

@@ -1,11 +1,12 @@
-"""Adaptive per-layer loss scaling for Flax NNX models.
+"""The NNX front end of adaptive per-layer loss scaling.
 
 NNX has no method interceptor, so the scale points are put in by giving every submodule
 of a *copy* of the model (``nnx.merge`` of a split, made inside the traced function) a
-subclass whose public methods run through the same interceptor the linen integration
-uses. The user's model object is never modified. Submodules are keyed by their first
-path in the object graph, so a module shared between two places is one scale group,
-as its parameters are one set.
+subclass whose public methods report their calls to the scale points. The user's model
+object is never modified. Submodules are keyed by their first path in the object graph,
+so a module shared between two places is one scale group, as its parameters are one set.
+The model is split into a pure function of its parameters, so the flax-free core does
+the rest.
 """
 
 from __future__ import annotations
@@ -14,7 +15,6 @@ import threading
 from collections.abc import Callable
 from typing import Any
 
-import jax.numpy as jnp
 from flax import nnx
 
 from adaloss_jax import _adaptive
@@ -60,19 +60,16 @@ def _scaled_class(cls: type) -> type:
     return _SUBCLASSES[cls]
 
 
-def _install(model: nnx.Module) -> tuple[dict[int, tuple[str, ...]], list]:
-    """Swaps the classes of ``model``'s modules (a private copy!) and maps id -> path.
-
-    Returns the map and the ``(module, original class)`` pairs for :func:`_uninstall`.
-    """
-    paths: dict[int, tuple[str, ...]] = {}
+def _install(model: nnx.Module, paths: dict) -> list:
+    """Swaps the classes of ``model``'s modules (a private copy!), filling ``paths``
+    (id -> path); returns the ``(module, original class)`` pairs for :func:`_uninstall`."""
     swapped = []
     for path, sub in nnx.iter_graph(model):
         if isinstance(sub, nnx.Module) and id(sub) not in paths:
             paths[id(sub)] = tuple(str(k) for k in path)
             swapped.append((sub, type(sub)))
             object.__setattr__(sub, "__class__", _scaled_class(type(sub)))
-    return paths, swapped
+    return swapped
 
 
 def _uninstall(swapped) -> None:
@@ -80,13 +77,29 @@ def _uninstall(swapped) -> None:
         object.__setattr__(sub, "__class__", cls)
 
 
+class _Hook:
+    """Context under which the copies made by the pure loss report to ``points``."""
+
+    def __init__(self, points):
+        self.ctx = (points, {})
+
+    def __enter__(self):
+        stack = getattr(_LOCAL, "stack", None)
+        if stack is None:
+            stack = _LOCAL.stack = []
+        stack.append(self.ctx)
+
+    def __exit__(self, *exc):
+        _LOCAL.stack.pop()
+
+
 def nnx_adaptive_value_and_grad(
     loss_fn: Callable[..., Any],
-    scaler: _adaptive.AdaptiveScale,
+    scaler: _adaptive.AdaptiveScale | None = None,
     *,
     wrt: Any = nnx.Param,
     has_aux: bool = False,
-) -> Callable[..., tuple[Any, Any, dict]]:
+) -> Callable[..., tuple[Any, Any, Any]]:
     """NNX counterpart of :func:`adaloss_jax.adaptive_value_and_grad`.
 
     Returns ``g(opt_state, model, *args, **kwargs) -> (value, grads, stats)`` with
@@ -95,40 +108,31 @@ def nnx_adaptive_value_and_grad(
     scale_stats=stats)``. Non-parameter state the loss changes (batch statistics, RNG
     counters) is written back to ``model``. Call it inside ``nnx.jit``.
     """
+    scaler = _adaptive.AdaptiveScale() if scaler is None else scaler
     _adaptive._check_scaler(scaler)
+    graphs: dict = {}
+
+    def pure(params, graphdef, rest, *args, **kwargs):
+        copy = nnx.merge(graphdef, params, rest, copy=True)
+        ctx = _active()
+        swapped = _install(copy, ctx[1]) if ctx is not None else []
+        try:
+            out = loss_fn(copy, *args, **kwargs)
+        finally:
+            _uninstall(swapped)
+        loss, aux = out if has_aux else (out, None)
+        return loss, (aux, nnx.state(copy, nnx.Not(wrt)))
+
+    core = _adaptive.adaptive_value_and_grad(pure, scaler, has_aux=True,
+                                             hooks=[_Hook] + _adaptive._front_end_hooks())
+    graphs["core"] = core
 
     def wrapped(opt_state, model, *args, **kwargs):
-        state = _adaptive.adaptive_state(opt_state)
-        log2 = state.log2_scales
-        dummies = _adaptive._dummies(nnx.state(model, wrt), scaler)
-        used: set[str] = set()
-
-        def scaled(copy, dummies):
-            # Inside nnx.value_and_grad ``copy`` is NNX's own merged copy of the model:
-            # swapping its classes leaves the user's objects alone, and NNX writes the
-            # non-parameter state the loss changes (batch statistics) back to ``model``.
-            paths, swapped = _install(copy)
-            icpt = _adaptive._Interceptor(scaler, log2, dummies)
-            stack = getattr(_LOCAL, "stack", None)
-            if stack is None:
-                stack = _LOCAL.stack = []
-            stack.append((icpt, paths))
-            try:
-                out = loss_fn(copy, *args, **kwargs)
-            finally:
-                stack.pop()
-                _uninstall(swapped)  # NNX checks the node types on the way out
-            icpt.check()
-            used.update(icpt.used)
-            loss, aux = out if has_aux else (out, None)
-            loss32 = jnp.asarray(loss).astype(jnp.float32)
-            return loss32 * _adaptive.pow2(log2[_adaptive.ROOT]), (loss, aux)
-
-        grad_fn = nnx.value_and_grad(
-            scaled, argnums=(nnx.DiffState(0, wrt), 1), has_aux=True
-        )
-        (_, (loss, aux)), (grads, stats) = grad_fn(model, dummies)
-        stats = _adaptive._used_stats(stats, used)
+        graphdef, params, rest = nnx.split(model, wrt, ...)
+        (loss, (aux, new_rest)), grads, stats = core(opt_state, params, graphdef, rest,
+                                                       *args, **kwargs)
+        nnx.update(model, new_rest)
         return ((loss, aux) if has_aux else loss), grads, stats
 
+    wrapped.plans = core.plans
     return wrapped

@@ -101,6 +101,12 @@ class AdaptiveScale:
       margin: binades kept free below the format's max (headroom for a one-step-old
         scale). Default (``None``): 4, or 2 for a format spanning fewer than 30 binades
         (fp8 e4m3fn's 18), where 4 costs too much of the range (docs/results.md).
+      decay: the amax the amax rule uses is a held peak that sinks by ``decay`` binades a
+        step (``held = max(amax, held_prev - decay)``), so a scale rises slowly after a
+        spike while a larger amax lowers it at once: headroom for gradients that jump
+        between steps, which a narrow format's small margin cannot give. ``math.inf``:
+        this step's amax alone. Default (``None``): ``math.inf``, or 1/16 for a format
+        spanning fewer than 30 binades.
       grad_dtype: the format cotangents are stored in (``u_min``/``u_max`` come from it).
       groups: ``"global"`` (default: one statistics-driven scale for everything,
         measured at every module boundary) or ``"module"`` (one scale per module that
@@ -141,6 +147,7 @@ class AdaptiveScale:
     max_scale: float = 2.0**64
     backoff: int = 4
     max_consecutive_skips: int = 16
+    decay: float | None = None
     filter: Callable[[tuple[str, ...], Any], bool] | None = None
     simulate: bool = False
 
@@ -161,6 +168,13 @@ class AdaptiveScale:
             wide = math.log2(fmt.max / fmt.min_subnormal) >= 30
             object.__setattr__(self, "margin", 4 if wide else 2)
         _validation.check_int("margin", self.margin, minimum=0)
+        if self.decay is None:
+            fmt = self.format
+            wide = math.log2(fmt.max / fmt.min_subnormal) >= 30
+            object.__setattr__(self, "decay", math.inf if wide else 0.0625)
+        if not (isinstance(self.decay, int | float) and self.decay > 0):
+            raise ValueError(f"decay must be a positive number of binades (or math.inf), "
+                             f"got {self.decay!r}")
         _validation.check_int("backoff", self.backoff, minimum=1)
         _validation.check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
         _validation.check_power_of_two("initial_scale", self.initial_scale)
@@ -236,7 +250,9 @@ class ScaleStats(NamedTuple):
       log2_scales: the scale each group's gradients were computed at (the one they are
         unscaled by).
       amax: the largest measured cotangent magnitude at the group's scale (inf if a
-        value was not finite).
+        value was not finite), in units of ``grad_dtype``: a value held in a wider format
+        (the compute dtype between groups, when ``simulate`` rounds only where
+        cotangents enter a group) counts ``u_max / u_max(its format)`` times less.
       bad: whether a value measured for the group, or its conversion, overflowed.
       sumsq / count: sum of squares and element count (the gaussian rule).
       hist: per-binade histogram at the group's scale (``statistic="quantile"``), or
@@ -325,7 +341,8 @@ def _point_config(scaler: AdaptiveScale) -> _points.PointConfig:
     if scaler.statistic == "quantile":
         hist_lo = scaler.format.min_exponent - _HIST_BELOW
     return _points.PointConfig(convert=False, measure=True, sumsq=scaler.statistic == "gaussian",
-                               fmt_max=scaler.format.max, hist_lo=hist_lo)
+                               y_max=scaler.format.max, x_max=scaler.format.max,
+                               hist_lo=hist_lo)
 
 
 class _Analysis(NamedTuple):
@@ -471,10 +488,11 @@ def _shift_hist(hist: jax.Array, k) -> jax.Array:
     return jnp.diff(c2)
 
 
-def _combine(an: _Analysis, row_stats: list, log2: dict, sigma: dict,
+def _combine(an: _Analysis, row_stats: list, limits: list, log2: dict, sigma: dict,
              scaler: AdaptiveScale) -> ScaleStats:
-    """Per-point statistics rows -> per-group statistics at each group's scale."""
-    n0, ne = _points._NSTATS, _points._NSTATS + _points._NEXP
+    """Per-point statistics rows -> per-group statistics at each group's scale; amax is
+    taken relative to the largest value of the format that holds it (``limits``)."""
+    ne = _points._NSTATS
     z = jnp.zeros((), jnp.float32)
     amax = {g: z for g in an.active}
     sumsq = {g: z for g in an.active}
@@ -483,15 +501,14 @@ def _combine(an: _Analysis, row_stats: list, log2: dict, sigma: dict,
     hist = {g: jnp.zeros((_NBINS,), jnp.float32) for g in an.active} if (
         scaler.statistic == "quantile") else {}
     by_pair: dict = {}
-    for pair, st in zip(an.rows, row_stats):
-        by_pair.setdefault(pair, []).append(st)
-    bins = jnp.arange(_points._NEXP, dtype=jnp.int32)
-    for (ya, xa), sts in by_pair.items():
+    for pair, st, lim in zip(an.rows, row_stats, limits):
+        by_pair.setdefault((*pair, *lim), []).append(st)
+    fmt_max = scaler.format.max
+    for (ya, xa, y_max, x_max), sts in by_pair.items():
         m = jnp.stack(sts)
-        # A row written n times (a point in a loop) holds a sum of n amaxes; its highest
-        # exponent bin bounds the max within a factor 2.
-        top = jnp.max(jnp.where(m[:, n0:ne] > 0, bins, 0), axis=1)
-        a = jnp.max(jnp.minimum(m[:, _points._AMAX], pow2(top - 126)), initial=0.0)
+        # A row written n times (a point in a loop) holds a sum of n maxima: an upper
+        # bound of their max, kept as it is (the scale errs low, never into overflow).
+        a = jnp.max(m[:, _points._AMAX], initial=0.0)
         s2 = jnp.sum(m[:, _points._SUMSQ])
         cnt = jnp.sum(m[:, _points._COUNT])
         bad_y = jnp.sum(m[:, _points._BAD_Y]) > 0
@@ -503,7 +520,10 @@ def _combine(an: _Analysis, row_stats: list, log2: dict, sigma: dict,
             else:
                 k = log2[g] - sigma[ya]
                 f = pow2(k)
-            amax[g] = jnp.maximum(amax[g], a if f is None else a * f)
+            # In units of the group's format: a value held in a wider one has more room.
+            lim = min(y_max if g in ya else math.inf, x_max if g in xa else math.inf)
+            a_g = a if lim == fmt_max else a * (fmt_max / lim)
+            amax[g] = jnp.maximum(amax[g], a_g if f is None else a_g * f)
             sumsq[g] = sumsq[g] + (s2 if f is None else s2 * f * f)
             count[g] = count[g] + cnt
             bad[g] = bad[g] | (bad_y if g in ya else False) | (bad_x if g in xa else False)
@@ -519,6 +539,7 @@ def adaptive_value_and_grad(
     has_aux: bool = False,
     *,
     hooks: list | None = None,
+    cache_token: Any = None,
 ) -> Callable[..., tuple[Any, Any, ScaleStats]]:
     """Like ``jax.value_and_grad(fun)`` with per-layer scale points inserted.
 
@@ -529,15 +550,21 @@ def adaptive_value_and_grad(
     :class:`ScaleStats`; pass both to the optimizer as
     ``tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)``.
 
-    The program's structure is analysed once per structure of ``(params, args,
-    kwargs)`` (a trace of ``fun`` with recording points) and cached on ``g``.
+    The program's structure is analysed once per ``fun``, scaler and structure of
+    ``(params, args, kwargs)`` (a trace of ``fun`` with recording points), and cached
+    for the process: a second ``jit`` of the same step does not repeat it.
     ``hooks`` (advanced): context-manager factories ``hook(points)`` that make a
     framework report its module calls; default: linen's, when flax is installed.
+    ``cache_token`` (advanced): what identifies ``fun`` in that cache (default ``fun``).
     """
     scaler = AdaptiveScale() if scaler is None else scaler
     _check_scaler(scaler)
     hooks = _front_end_hooks() if hooks is None else list(hooks)
-    plans: dict = {}
+    token = fun if cache_token is None else cache_token
+    try:
+        plans = _PLANS.setdefault((token, scaler, has_aux), {})
+    except TypeError:  # an unhashable filter or token: cache on this helper only
+        plans = {}
 
     def wrapped(opt_state, params, *args, **kwargs):
         state = adaptive_state(opt_state)
@@ -564,6 +591,7 @@ def adaptive_value_and_grad(
         dummies = [jnp.zeros((width,), jnp.float32) for _ in an.rows]
         owner_paths = {p[:-1] for p in _leaf_paths(params) if len(p) > 1}
         sim = scaler.format.dtype if scaler.simulate else None
+        limits: list = []
 
         def scaled(lv, dummies):
             lv = _points.convert_params(list(lv), list(an.owners), an.plan.params, ratios)
@@ -572,6 +600,7 @@ def adaptive_value_and_grad(
             points.skip = frozenset(id(x) for x in lv)
             with points, _Hooks(hooks, points):
                 out = fun(jax.tree_util.tree_unflatten(treedef, lv), *args, **kwargs)
+            limits[:] = points.limits
             if points.count != len(an.plan.points):
                 raise ValueError(
                     f"adaloss_jax: the loss function made {points.count} module calls where "
@@ -586,11 +615,15 @@ def adaptive_value_and_grad(
             scaled, argnums=(0, 1), has_aux=True
         )(leaves, dummies)
         grads = jax.tree_util.tree_unflatten(treedef, g_leaves)
-        stats = _combine(an, row_stats, log2, sigma, scaler)
+        stats = _combine(an, row_stats, limits, log2, sigma, scaler)
         return ((loss, aux) if has_aux else loss), grads, stats
 
     wrapped.plans = plans
     return wrapped
+
+
+# (fun, scaler, has_aux) -> {structure: _Analysis}; plans depend only on these.
+_PLANS: dict = {}
 
 
 def adaptive_state(opt_state: Any) -> AdaptiveScaleState:
@@ -730,6 +763,8 @@ def adaptive_unscale(
             bad = _reduce(bad.astype(jnp.int32), jax.lax.pmax, axis_name) > 0
             grads_finite = grads_finite & ~bad
             unit_log2_amax = jnp.log2(amax) - used[g]  # -inf when nothing measured
+            if scaler.decay != math.inf:  # a peak held, sinking `decay` binades a step
+                unit_log2_amax = jnp.maximum(unit_log2_amax, state.log2_amax[g] - scaler.decay)
             target = jnp.floor(log2_max - scaler.margin - unit_log2_amax)
             if scaler.statistic == "gaussian":
                 sumsq = _reduce(scale_stats.sumsq[g], jax.lax.psum, axis_name)

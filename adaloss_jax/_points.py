@@ -26,12 +26,11 @@ ROOT = _stream.ROOT
 
 # Statistics row of one scale point (all measured where the cotangent arrives, at the
 # scale of the region on its consumer side):
-_AMAX, _SUMSQ, _COUNT, _BAD_Y, _BAD_X = range(5)
-_NSTATS = 5
-# A one-hot of the fp32 exponent of amax: a point inside a loop or a vmap writes its
-# dummy once per iteration, and autodiff sums those writes; the highest non-empty bin
-# then bounds the max to within a factor 2 where the summed amax could be n times it.
-_NEXP = 256
+# WRITES is 1 per backward pass through the point: a point inside a loop or a vmap
+# writes its dummy once per iteration and autodiff sums the writes, so there AMAX is a sum
+# of WRITES maxima (conservative: at most log2(WRITES) binades above the max).
+_AMAX, _SUMSQ, _COUNT, _BAD_Y, _BAD_X, _WRITES = range(6)
+_NSTATS = 6
 # statistic="quantile" appends a histogram of the cotangents' binades (counts of non-zero
 # elements by floor(log2|x|)): _NBINS bins starting _HIST_BELOW binades below the
 # format's smallest subnormal (the lowest bin also counts everything below it, the
@@ -55,7 +54,7 @@ def pow2(n) -> jax.Array:
 
 def width(quantile: bool) -> int:
     """Columns of a statistics row."""
-    return _NSTATS + _NEXP + (_NBINS if quantile else 0)
+    return _NSTATS + (_NBINS if quantile else 0)
 
 
 class PointConfig(NamedTuple):
@@ -64,7 +63,8 @@ class PointConfig(NamedTuple):
     convert: bool  # False when both sides have the same scale by construction
     measure: bool  # False for parameter conversions (the optimizer measures gradients)
     sumsq: bool  # whether the statistic needs the sum of squares (the gaussian rule)
-    fmt_max: float  # the cotangent format's largest finite value
+    y_max: float  # largest finite value where the cotangent arrives (its storage format)
+    x_max: float  # the same after the conversion (the simulated format where it rounds)
     simulate: Any = None  # a dtype to round converted cotangents to (fp8 simulation)
     hist_lo: int | None = None  # binade of the histogram's lowest bin; None: no histogram
 
@@ -86,12 +86,6 @@ def _binade_hist(cts: tuple[jax.Array, ...], lo: int) -> jax.Array:
     return hist.astype(jnp.float32)
 
 
-def _exponent_onehot(amax: jax.Array) -> jax.Array:
-    bits = jax.lax.bitcast_convert_type(amax, jnp.int32)
-    e = (bits >> 23) & 0xFF
-    return (jnp.arange(_NEXP, dtype=jnp.int32) == e).astype(jnp.float32)
-
-
 def _stats(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig) -> jax.Array:
     """The statistics row of the arriving cotangents ``cts``.
 
@@ -108,11 +102,11 @@ def _stats(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig) -> jax.Array:
         if cfg.sumsq:
             c = ct.astype(jnp.float32)
             sumsq = sumsq + jnp.sum(c * c)
-    bad_y = jnp.logical_not(amax <= cfg.fmt_max)
-    bad_x = jnp.logical_not(amax * ratio <= cfg.fmt_max) if cfg.convert else bad_y
+    bad_y = jnp.logical_not(amax <= cfg.y_max)
+    bad_x = jnp.logical_not(amax * ratio <= cfg.x_max)
     count = jnp.float32(sum(ct.size for ct in cts))
     parts = [jnp.stack([amax, sumsq, count, bad_y.astype(jnp.float32),
-                        bad_x.astype(jnp.float32)]), _exponent_onehot(amax)]
+                        bad_x.astype(jnp.float32), jnp.float32(1.0)])]
     if cfg.hist_lo is not None:
         parts.append(_binade_hist(cts, cfg.hist_lo))
     return jnp.concatenate(parts)
@@ -240,6 +234,7 @@ class Points:
         self.calls: list[Call] = []
         self.stack: list[tuple[str, ...]] = []
         self.dummies = list(dummies or [])  # consumed in order, one per row
+        self.limits: list[tuple[float, float]] = []  # (y_max, x_max) of each row
         self.used = 0
         self.sizes: list[int] = []  # recording: floating leaves of each point
         self.dtypes: set = set()
@@ -307,7 +302,15 @@ class Points:
             ratio = self.ratios[(xa, ya)] if convert else jnp.float32(1.0)
             dummy = self.dummies[self.used]
             self.used += 1
-            out = _scale_point(self.cfg._replace(convert=convert, simulate=sim),
+            # Simulating a narrow format, the cotangents are stored in the compute dtype
+            # and rounded to the format only where they enter a group.
+            y_max = self.cfg.x_max
+            if self.simulate is not None:
+                y_max = min(float(jnp.finfo(leaves[i].dtype).max) for i in members)
+            x_max = self.cfg.x_max if sim is not None else y_max
+            self.limits.append((y_max, x_max))
+            out = _scale_point(self.cfg._replace(convert=convert, simulate=sim, y_max=y_max,
+                                                 x_max=x_max),
                                tuple(leaves[i] for i in members), ratio, dummy)
             for i, y in zip(members, out):
                 leaves[i] = y
@@ -326,7 +329,8 @@ def convert_params(leaves: list, owners: list, plan_params, ratios) -> list:
         k += 1
         if uses is None or uses == (owner,):
             continue
-        cfg = PointConfig(convert=True, measure=False, sumsq=False, fmt_max=float("inf"))
+        inf = float("inf")
+        cfg = PointConfig(convert=True, measure=False, sumsq=False, y_max=inf, x_max=inf)
         (out[i],) = _scale_point(cfg, (x,), ratios[((owner,), uses)], jnp.zeros((), jnp.float32))
     return out
 

@@ -562,3 +562,22 @@ def test_module_called_inside_and_outside_lifted_transforms(groups):
     loss = lambda p: jnp.sum(model.apply({"params": p}, x).astype(jnp.float32))
     _, grads, _ = jax.jit(alj.adaptive_value_and_grad(loss, scaler))(state, params)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in jax.tree_util.tree_leaves(grads))
+
+
+def test_the_stream_analysis_runs_once_per_structure(monkeypatch):
+    """A second jit of the same step (a new helper, even) reuses the cached plan; a new
+    input structure is analysed anew."""
+    from adaloss_jax import _adaptive
+
+    calls = []
+    real = _adaptive._analyse
+    monkeypatch.setattr(_adaptive, "_analyse", lambda *a: calls.append(1) or real(*a))
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    scaler = alj.adaptive(groups="module", margin=3)  # a scaler no other test uses
+    state = alj.adaptive_unscale(scaler).init(params)
+    for _ in range(2):
+        jax.jit(alj.adaptive_value_and_grad(loss16, scaler)).lower(state, params, *batch)
+    assert len(calls) == 1
+    x, y = batch
+    jax.jit(alj.adaptive_value_and_grad(loss16, scaler)).lower(state, params, x[:2], y[:2])
+    assert len(calls) == 2

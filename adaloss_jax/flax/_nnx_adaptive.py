@@ -110,7 +110,6 @@ def nnx_adaptive_value_and_grad(
     """
     scaler = _adaptive.AdaptiveScale() if scaler is None else scaler
     _adaptive._check_scaler(scaler)
-    graphs: dict = {}
 
     def pure(params, graphdef, rest, *args, **kwargs):
         copy = nnx.merge(graphdef, params, rest, copy=True)
@@ -124,8 +123,8 @@ def nnx_adaptive_value_and_grad(
         return loss, (aux, nnx.state(copy, nnx.Not(wrt)))
 
     core = _adaptive.adaptive_value_and_grad(pure, scaler, has_aux=True,
-                                             hooks=[_Hook] + _adaptive._front_end_hooks())
-    graphs["core"] = core
+                                             hooks=[_Hook] + _adaptive._front_end_hooks(),
+                                             cache_token=("nnx", loss_fn, str(wrt), has_aux))
 
     def wrapped(opt_state, model, *args, **kwargs):
         graphdef, params, rest = nnx.split(model, wrt, ...)

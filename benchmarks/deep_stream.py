@@ -1,0 +1,202 @@
+"""Per-layer scales along the backward stream: the deep sigmoid stacks of issue 10.
+
+Two measurements, each global (``groups="global"``) against per-layer
+(``groups="module"``) adaptive scaling:
+
+* ``depth``: ``--depth`` (24) x (Dense(128) + sigmoid) then Dense(10), fp16 compute, fp32
+  parameters, one random batch of 128 (64 features, 10 classes). The scales settle over
+  6 steps at learning rate 0; then the share of each layer's kernel-gradient elements
+  that are non-zero in an fp32 recomputation and zero in the scaled fp16 gradients is
+  printed per layer, with the fp32 gradient's log2 amax. Sigmoid's derivative (<= 1/4)
+  shrinks the cotangent about 2 binades a layer, so the layers' ranges spread far wider
+  than fp16's.
+* ``fp8``: ``--fp8-depth`` (8) x (Dense(128) + sigmoid) on Fashion-MNIST (Debian's
+  ``dataset-fashion-mnist``), Adam 1e-3, batch 128, ``--steps`` (1000), fp16 compute
+  with cotangents rounded to e4m3 where they enter each Dense (``simulate=True``), and
+  fp32; per seed: test accuracy, skipped steps and per-layer underflow at the end.
+
+Usage::
+
+    python benchmarks/deep_stream.py depth
+    python benchmarks/deep_stream.py fp8 --seeds 0,1,2
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+
+import adaloss_jax as alj
+from adaloss_jax.bench import _data
+from adaloss_jax.bench._steps import scaled_step
+
+
+class SigmoidStack(nn.Module):
+    depth: int
+    width: int = 128
+    classes: int = 10
+    dtype: object = jnp.float16
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        for _ in range(self.depth):
+            x = nn.sigmoid(nn.Dense(self.width, dtype=self.dtype)(x))
+        return nn.Dense(self.classes, dtype=self.dtype)(x)
+
+
+def xent_loss(model):
+    def loss_fn(params, x, y):
+        logits = model.apply({"params": params}, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return loss_fn
+
+
+def layer_underflow(scaled, ref, depth: int) -> list[tuple[float, float]]:
+    """Per hidden layer (and the head): (share of kernel-gradient elements non-zero in
+    fp32 and zero in the scaled gradients, log2 amax of the fp32 kernel gradient)."""
+    out = []
+    for i in range(depth + 1):
+        a = np.asarray(scaled[f"Dense_{i}"]["kernel"])
+        r = np.asarray(ref[f"Dense_{i}"]["kernel"])
+        nz = r != 0
+        share = float(np.sum(nz & (a == 0)) / max(np.sum(nz), 1))
+        amax = float(np.max(np.abs(r)))
+        out.append((share, float(np.log2(amax)) if amax > 0 else -np.inf))
+    return out
+
+
+def settle_and_probe(model16, model32, scaler, x, y, steps: int = 6):
+    """Scales settled over ``steps`` steps at learning rate 0; the scaled gradients of the
+    next step and the fp32 reference."""
+    params = model32.init(jax.random.key(0), x)["params"]
+    loss16 = xent_loss(model16)
+    tx, step = scaled_step(loss16, optax.sgd(0.0), scaler)
+    opt_state = tx.init(params)
+    step = jax.jit(step)
+    for _ in range(steps):
+        params, opt_state, _ = step(params, opt_state, x, y)
+    vg = jax.jit(alj.adaptive_value_and_grad(loss16, scaler))
+    _, scaled, _ = vg(opt_state, params, x, y)
+    ref = jax.jit(jax.grad(xent_loss(model32)))(params, x, y)
+    ad = alj.adaptive_state(opt_state)
+    return scaled, ref, ad
+
+
+def run_depth(args) -> None:
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(128, 64)).astype(np.float32))
+    y = jnp.asarray(rng.integers(0, 10, size=128))
+    m16 = SigmoidStack(args.depth, dtype=jnp.float16)
+    m32 = SigmoidStack(args.depth, dtype=jnp.float32)
+    rows = {}
+    for groups in ("global", "module"):
+        t0 = time.perf_counter()
+        scaled, ref, ad = settle_and_probe(m16, m32, alj.adaptive(groups=groups), x, y)
+        rows[groups] = layer_underflow(scaled, ref, args.depth)
+        print(f"[{groups}: {time.perf_counter() - t0:.1f} s; skipped "
+              f"{int(ad.base.total_skipped)} of 6]", flush=True)
+        if groups == "module":
+            scales = {g: float(v) for g, v in ad.log2_scales.items()}
+    print(f"\n{args.depth} x (Dense(128) + sigmoid), fp16, batch 128; kernel-gradient "
+          f"underflow per layer after 6 settling steps")
+    print(f"{'layer':<9} {'log2 amax fp32':>14} {'global':>8} {'module':>8} "
+          f"{'module log2 scale':>18}")
+    for i in range(args.depth + 1):
+        g, m = rows["global"][i], rows["module"][i]
+        print(f"Dense_{i:<3} {g[1]:>14.1f} {100 * g[0]:>7.1f}% {100 * m[0]:>7.1f}% "
+              f"{scales[f'Dense_{i}']:>18.0f}")
+    worst = max(r[0] for r in rows["module"])
+    print(f"\nworst layer: global {100 * max(r[0] for r in rows['global']):.1f}%, "
+          f"module {100 * worst:.2f}%")
+
+
+def run_fp8(args) -> None:
+    train_x, train_y, test_x, test_y = _data.load_fashion_mnist()
+    prep = lambda a: (a.reshape(a.shape[0], -1).astype(np.float32) / 255.0)
+    train_x, test_x = prep(train_x), prep(test_x)
+    probe = (jnp.asarray(test_x[:128]), jnp.asarray(test_y[:128]))
+    m16 = SigmoidStack(args.fp8_depth, dtype=jnp.float16)
+    m32 = SigmoidStack(args.fp8_depth, dtype=jnp.float32)
+    configs = {
+        "fp32": None,
+        "e4m3-global": alj.adaptive(grad_dtype="float8_e4m3fn", simulate=True),
+        "e4m3-module": alj.adaptive(grad_dtype="float8_e4m3fn", simulate=True,
+                                    groups="module"),
+    }
+    results: dict = {k: [] for k in configs}
+    for seed in [int(s) for s in args.seeds.split(",")]:
+        idx = _data.epoch_indices(len(train_x), 128, args.steps, seed)
+        for name, scaler in configs.items():
+            t0 = time.perf_counter()
+            params = m32.init(jax.random.key(seed), probe[0])["params"]
+            if scaler is None:
+                loss32 = xent_loss(m32)
+                tx = optax.adam(1e-3)
+                opt_state = tx.init(params)
+
+                @jax.jit
+                def step(params, opt_state, xb, yb, tx=tx, loss32=loss32):
+                    loss, g = jax.value_and_grad(loss32)(params, xb, yb)
+                    u, opt_state = tx.update(g, opt_state, params)
+                    return optax.apply_updates(params, u), opt_state, loss
+            else:
+                tx, step = scaled_step(xent_loss(m16), optax.adam(1e-3), scaler)
+                opt_state = tx.init(params)
+                step = jax.jit(step)
+            for t in range(args.steps):
+                b = idx[t]
+                params, opt_state, loss = step(params, opt_state, jnp.asarray(train_x[b]),
+                                               jnp.asarray(train_y[b]))
+            model = m32 if scaler is None else m16
+            logits = jax.jit(lambda p, model=model: model.apply({"params": p},
+                                                                jnp.asarray(test_x)))(params)
+            acc = float(np.mean(np.argmax(np.asarray(logits, np.float32), -1) == test_y))
+            row = {"seed": seed, "acc": acc, "loss": float(loss)}
+            if scaler is not None:
+                vg = jax.jit(alj.adaptive_value_and_grad(xent_loss(m16), scaler))
+                _, scaled, _ = vg(opt_state, params, *probe)
+                ref = jax.jit(jax.grad(xent_loss(m32)))(params, *probe)
+                row["underflow"] = [u for u, _ in layer_underflow(scaled, ref, args.fp8_depth)]
+                row["skipped"] = int(alj.adaptive_state(opt_state).base.total_skipped)
+            results[name].append(row)
+            extra = ""
+            if "underflow" in row:
+                extra = (f" skipped {row['skipped']}, max layer underflow "
+                         f"{100 * max(row['underflow']):.1f}%")
+            print(f"seed {seed} {name:<12} acc {acc:.3f}{extra} "
+                  f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"\n{args.fp8_depth} x (Dense(128) + sigmoid), Fashion-MNIST, Adam 1e-3, "
+          f"{args.steps} steps, e4m3 cotangents")
+    print(f"{'config':<13} {'test acc per seed':<24} {'mean':>6} {'skipped':>8} "
+          f"{'worst layer underflow':>22}")
+    for name, rows in results.items():
+        accs = [r["acc"] for r in rows]
+        skipped = "-" if name == "fp32" else str(sum(r["skipped"] for r in rows))
+        under = "-" if name == "fp32" else (
+            f"{100 * max(max(r['underflow']) for r in rows):.2f}%")
+        print(f"{name:<13} {' '.join(f'{a:.3f}' for a in accs):<24} {np.mean(accs):>6.3f} "
+              f"{skipped:>8} {under:>22}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("what", choices=("depth", "fp8"))
+    p.add_argument("--depth", type=int, default=24)
+    p.add_argument("--fp8-depth", type=int, default=8)
+    p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--seeds", default="0,1,2")
+    args = p.parse_args(argv)
+    (run_depth if args.what == "depth" else run_fp8)(args)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

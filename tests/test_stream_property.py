@@ -1,0 +1,299 @@
+"""Property: per-layer scales are exact, stable and never worse than one global scale, on
+randomly built Flax linen graphs (nesting, reuse with keyword arguments, tied embedding +
+attend, concatenation, residuals, cross-attention to a shared memory, nn.scan, nn.remat,
+dict and tuple outputs, BatchNorm state)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import adaloss_jax as alj
+
+W, V, T, B = 8, 16, 6, 4
+OPS = ("dense", "reuse", "residual", "concat", "cross", "scan", "remat", "dict", "bn", "nest")
+
+
+class Shared(nn.Module):
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x, *, gate=1.0):
+        return nn.tanh(nn.Dense(W, dtype=self.dtype)(x)) * gate
+
+
+class Residual(nn.Module):
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(W, dtype=self.dtype)(nn.LayerNorm(dtype=self.dtype)(x))
+
+
+class Cross(nn.Module):
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x, memory):
+        q = nn.Dense(W, dtype=self.dtype)(x)
+        k = nn.Dense(W, dtype=self.dtype)(memory)
+        v = nn.Dense(W, dtype=self.dtype)(memory)
+        a = jax.nn.softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32) / W ** 0.5)
+        return x + a.astype(self.dtype) @ v
+
+
+class Concat(nn.Module):
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x):
+        y = nn.relu(nn.Dense(W, dtype=self.dtype)(x))
+        return nn.Dense(W, dtype=self.dtype)(jnp.concatenate([x, y], axis=-1))
+
+
+class DictOut(nn.Module):
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x):
+        dense = lambda: nn.Dense(W, dtype=self.dtype)
+        return {"a": dense()(x), "b": (x * 0.5, dense()(x))}
+
+
+class Cell(nn.Module):
+    dtype: object
+
+    @nn.compact
+    def __call__(self, c, _):
+        return nn.tanh(nn.Dense(W, dtype=self.dtype)(c)) + c, None
+
+
+class Nest(nn.Module):
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x):
+        return Residual(self.dtype)(Shared(self.dtype)(x))
+
+
+class RandomNet(nn.Module):
+    ops: tuple
+    tied: bool
+    dtype: object
+
+    @nn.compact
+    def __call__(self, tokens):
+        dt = self.dtype
+        embed = nn.Embed(V, W, dtype=dt)
+        x = embed(tokens)
+        memory = nn.Dense(W, dtype=dt)(x) if "cross" in self.ops else None
+        shared = Shared(dt)
+        for op in self.ops:
+            if op == "dense":
+                x = nn.gelu(nn.Dense(W, dtype=dt)(x))
+            elif op == "reuse":
+                x = shared(x, gate=0.5) + shared(x * 0.25, gate=2.0)
+            elif op == "residual":
+                x = Residual(dt)(x)
+            elif op == "concat":
+                x = Concat(dt)(x)
+            elif op == "cross":
+                x = Cross(dt)(x, memory)
+            elif op == "scan":
+                x, _ = nn.scan(Cell, variable_axes={"params": 0}, split_rngs={"params": True},
+                               length=2)(dt)(x, None)
+            elif op == "remat":
+                x = nn.remat(Residual)(dt)(x)
+            elif op == "dict":
+                d = DictOut(dt)(x)
+                x = d["a"] + d["b"][0] + d["b"][1]
+            elif op == "bn":
+                x = nn.BatchNorm(use_running_average=False, dtype=dt)(x)
+            elif op == "nest":
+                x = Nest(dt)(x)
+        if self.tied:
+            return embed.attend(x)
+        return nn.Dense(V, dtype=dt)(x)
+
+
+def _loss(model, others, tiny):
+    def loss_fn(p, tokens):
+        out, _ = model.apply({"params": p, **others}, tokens[:, :-1], mutable=["batch_stats"])
+        logits = out.astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean() * tiny
+
+    return loss_fn
+
+
+def _run(scaler, loss_fn, params, tokens, steps):
+    tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
+
+    @jax.jit
+    def step(state, params, tokens):
+        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(state, params, tokens)
+        updates, state = tx.update(grads, state, params, loss=loss, scale_stats=stats)
+        return updates, state, grads
+
+    state = tx.init(params)
+    out = []
+    for _ in range(steps):
+        updates, state, scaled = step(state, params, tokens)
+        out.append((updates, alj.adaptive_state(state), scaled))
+    return out
+
+
+def _rel_err(a, r) -> float:
+    r = np.asarray(r, np.float64)
+    return float(np.linalg.norm(np.asarray(a, np.float64) - r) / max(np.linalg.norm(r), 1e-30))
+
+
+def _assert_within_rounding(grads, global_grads, ref, ops) -> None:
+    """Each leaf's relative error against fp32 is at most 0.1, or at most twice that of
+    one global scale (a leaf whose exact gradient is zero, such as an attention key bias,
+    is rounding noise at any scale)."""
+    for (path, g), gg, r in zip(jax.tree_util.tree_flatten_with_path(grads)[0],
+                                jax.tree_util.tree_leaves(global_grads),
+                                jax.tree_util.tree_leaves(ref)):
+        err = _rel_err(g, r)
+        assert err <= max(0.1, 2.0 * _rel_err(gg, r)), (ops, jax.tree_util.keystr(path), err)
+
+
+def _underflow(scaled, ref) -> list[float]:
+    return [float(np.sum((np.asarray(r) != 0) & (np.asarray(a) == 0)) / max(np.asarray(r).size, 1))
+            for a, r in zip(jax.tree_util.tree_leaves(scaled), jax.tree_util.tree_leaves(ref))]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4), tied=st.booleans(),
+       tiny=st.sampled_from([1.0, 2.0**-12, 2.0**-20]))
+def test_random_graphs_exact_stable_and_no_worse_than_global(ops, tied, tiny):
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
+    m16 = RandomNet(tuple(ops), tied, jnp.float16)
+    m32 = RandomNet(tuple(ops), tied, jnp.float32)
+    variables = m32.init(jax.random.key(0), tokens[:, :-1])
+    params = variables["params"]
+    others = {k: v for k, v in variables.items() if k != "params"}
+    ref = jax.jit(jax.grad(_loss(m32, others, tiny)))(params, tokens)
+    loss16 = _loss(m16, others, tiny)
+    warm, checked = 3, 20
+    module = _run(alj.adaptive(groups="module"), loss16, params, tokens, warm + checked)
+    glob = _run(alj.adaptive(groups="global"), loss16, params, tokens, warm + 1)
+    for _, ad, _ in module[warm:]:
+        assert bool(ad.base.last_applied), (ops, "skipped", ad.overflowed)
+    updates, ad, scaled = module[-1]
+    # Every leaf within fp16 rounding of the fp32 reference (updates are the unscaled
+    # gradients: sgd(-1)).
+    _assert_within_rounding(updates, glob[-1][0], ref, ops)
+    # Per-module underflow never above global's, leaf by leaf.
+    u_mod = _underflow(scaled, ref)
+    u_glob = _underflow(glob[-1][2], ref)
+    for a, b in zip(u_mod, u_glob):
+        assert a <= b + 1e-3, (ops, u_mod, u_glob)
+
+
+# ------------------------------------------------------------------------------ NNX
+
+
+def _nnx_model(ops, tied, dtype):
+    from flax import nnx
+
+    class Dense(nnx.Module):
+        def __init__(self, din, dout, rngs):
+            self.lin = nnx.Linear(din, dout, rngs=rngs, dtype=dtype)
+
+        def __call__(self, x, *, gate=1.0):
+            return jnp.tanh(self.lin(x)) * gate
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.embed = nnx.Embed(V, W, rngs=rngs, dtype=dtype)
+            self.shared = Dense(W, W, rngs)
+            self.memory = nnx.Linear(W, W, rngs=rngs, dtype=dtype)
+            self.layers = nnx.List([self._layer(op, rngs) for op in ops])
+            self.head = nnx.Linear(W, V, rngs=rngs, dtype=dtype)
+
+        def _layer(self, op, rngs):
+            if op in ("dense", "residual"):
+                return Dense(W, W, rngs)
+            if op == "concat":
+                return Dense(2 * W, W, rngs)
+            if op == "cross":
+                return nnx.List([nnx.Linear(W, W, rngs=rngs, dtype=dtype) for _ in range(3)])
+            if op == "bn":
+                return nnx.BatchNorm(W, rngs=rngs, dtype=dtype)
+            return Dense(W, W, rngs)
+
+        def __call__(self, tokens):
+            x = self.embed(tokens)
+            memory = self.memory(x)
+            for op, layer in zip(ops, self.layers):
+                if op == "dense":
+                    x = layer(x)
+                elif op == "residual":
+                    x = x + layer(x, gate=0.5)
+                elif op == "reuse":
+                    x = self.shared(x, gate=0.5) + self.shared(x * 0.25, gate=2.0) + layer(x)
+                elif op == "concat":
+                    x = layer(jnp.concatenate([x, jnp.tanh(x)], axis=-1))
+                elif op == "cross":
+                    q, k, v = layer[0](x), layer[1](memory), layer[2](memory)
+                    a = jax.nn.softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32))
+                    x = x + a.astype(dtype) @ v
+                elif op == "bn":
+                    x = layer(x.reshape(-1, W)).reshape(x.shape)
+                else:
+                    x = layer(x)
+            return self.embed.attend(x) if tied else self.head(x)
+
+    return Net(nnx.Rngs(0))
+
+
+NNX_OPS = ("dense", "residual", "reuse", "concat", "cross", "bn")
+
+
+@settings(max_examples=6, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(st.sampled_from(NNX_OPS), min_size=2, max_size=4), tied=st.booleans())
+def test_random_nnx_graphs_exact_and_no_worse_than_global(ops, tied):
+    from flax import nnx
+
+    from adaloss_jax.flax import nnx_adaptive_value_and_grad
+
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
+    tiny = 2.0**-16
+
+    def loss_fn(model, tokens):
+        logits = model(tokens[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits, tokens[:, 1:]).mean() * tiny
+
+    ref = nnx.as_pure(nnx.grad(loss_fn)(_nnx_model(ops, tied, jnp.float32), tokens))
+    results = {}
+    for groups in ("module", "global"):
+        scaler = alj.adaptive(groups=groups)
+        model = _nnx_model(ops, tied, jnp.float16)
+        tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
+        state = tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))
+
+        @nnx.jit
+        def step(model, state, scaler=scaler, tx=tx):
+            loss, g, stats = nnx_adaptive_value_and_grad(loss_fn, scaler)(state, model, tokens)
+            params = nnx.as_pure(nnx.state(model, nnx.Param))
+            updates, state = tx.update(nnx.as_pure(g), state, params, loss=loss,
+                                       scale_stats=stats)
+            return updates, state, nnx.as_pure(g)
+
+        for _ in range(4):
+            updates, state, scaled = step(model, state)
+        assert bool(alj.adaptive_state(state).base.last_applied), (ops, groups)
+        results[groups] = (updates, scaled)
+    updates, scaled = results["module"]
+    _assert_within_rounding(updates, results["global"][0], ref, ops)
+    for a, b in zip(_underflow(scaled, ref), _underflow(results["global"][1], ref)):
+        assert a <= b + 1e-3, ops

@@ -253,7 +253,14 @@ class ScaleStats(NamedTuple):
         value was not finite), in units of ``grad_dtype``: a value held in a wider format
         (the compute dtype between groups, when ``simulate`` rounds only where
         cotangents enter a group) counts ``u_max / u_max(its format)`` times less.
-      bad: whether a value measured for the group, or its conversion, overflowed.
+      bad: whether an overflow started at the group's scale: a conversion into a region
+        it anchors overflowed, or a value arrived there too large for its format, or
+        non-finite values left such a region while everything that flowed into it was
+        finite. Values that were already non-finite when they arrived (propagated from
+        where the overflow started) blame nobody, so only the groups that overflowed back
+        off.
+      nonfinite: whether any measured value or conversion was not finite (the step is
+        skipped).
       sumsq / count: sum of squares and element count (the gaussian rule).
       hist: per-binade histogram at the group's scale (``statistic="quantile"``), or
         ``{}``.
@@ -265,6 +272,7 @@ class ScaleStats(NamedTuple):
     sumsq: dict
     count: dict
     hist: dict
+    nonfinite: jax.Array
 
 
 # --------------------------------------------------------------------------- groups
@@ -497,13 +505,17 @@ def _combine(an: _Analysis, row_stats: list, limits: list, log2: dict, sigma: di
     amax = {g: z for g in an.active}
     sumsq = {g: z for g in an.active}
     count = {g: z for g in an.active}
-    bad = {g: jnp.asarray(False) for g in an.active}
     hist = {g: jnp.zeros((_NBINS,), jnp.float32) for g in an.active} if (
         scaler.statistic == "quantile") else {}
     by_pair: dict = {}
     for pair, st, lim in zip(an.rows, row_stats, limits):
         by_pair.setdefault((*pair, *lim), []).append(st)
     fmt_max = scaler.format.max
+    false = jnp.asarray(False)
+    blame: dict = {}  # anchor set -> an overflow started there
+    arrived_bad: dict = {}  # anchor set -> something non-finite was converted into it
+    left_inf: dict = {}  # anchor set -> non-finite values left it
+    nonfinite = false
     for (ya, xa, y_max, x_max), sts in by_pair.items():
         m = jnp.stack(sts)
         # A row written n times (a point in a loop) holds a sum of n maxima: an upper
@@ -513,6 +525,13 @@ def _combine(an: _Analysis, row_stats: list, limits: list, log2: dict, sigma: di
         cnt = jnp.sum(m[:, _points._COUNT])
         bad_y = jnp.sum(m[:, _points._BAD_Y]) > 0
         bad_x = jnp.sum(m[:, _points._BAD_X]) > 0
+        inf_y = ~(a < jnp.inf)
+        nonfinite = nonfinite | bad_y | bad_x
+        blame[ya] = blame.get(ya, false) | (bad_y & ~inf_y)  # finite, too large there
+        left_inf[ya] = left_inf.get(ya, false) | inf_y
+        if xa != ya:
+            blame[xa] = blame.get(xa, false) | (bad_x & ~bad_y)  # the conversion overflowed
+            arrived_bad[xa] = arrived_bad.get(xa, false) | bad_x | bad_y
         h = jnp.sum(m[:, ne:], axis=0) if hist else None
         for g in dict.fromkeys(ya + xa):
             if ya == (g,):
@@ -526,11 +545,18 @@ def _combine(an: _Analysis, row_stats: list, limits: list, log2: dict, sigma: di
             amax[g] = jnp.maximum(amax[g], a_g if f is None else a_g * f)
             sumsq[g] = sumsq[g] + (s2 if f is None else s2 * f * f)
             count[g] = count[g] + cnt
-            bad[g] = bad[g] | (bad_y if g in ya else False) | (bad_x if g in xa else False)
             if hist:
                 hist[g] = hist[g] + (h if k is None else _shift_hist(h, k))
+    bad = {g: false for g in an.active}
+    for anchors in set(blame) | set(left_inf):
+        # Non-finite values left a region although all that came in was finite: the
+        # overflow started inside it.
+        started = blame.get(anchors, false) | (left_inf.get(anchors, false)
+                                               & ~arrived_bad.get(anchors, false))
+        for g in anchors:
+            bad[g] = bad[g] | started
     used = {g: log2[g] for g in an.active}
-    return ScaleStats(used, amax, bad, sumsq, count, hist)
+    return ScaleStats(used, amax, bad, sumsq, count, hist, nonfinite)
 
 
 def adaptive_value_and_grad(
@@ -752,16 +778,25 @@ def adaptive_unscale(
         # Recompute from statistics when the applied steps so far are a multiple of
         # `interval`; backoffs and blind jumps happen on any step.
         recompute = state.base.total_applied % scaler.interval == 0
-        grads_finite = jnp.asarray(True)
+        p_bad = {g: ~(a < jnp.inf) for g, a in p_amax.items()}
+        blamed_any = jnp.asarray(False)
+        for g in active:
+            blamed_any = blamed_any | scale_stats.bad[g]
+        nonfinite = scale_stats.nonfinite
+        for g in active:
+            nonfinite = nonfinite | p_bad[g]
+        grads_finite = ~(_reduce(nonfinite.astype(jnp.int32), jax.lax.pmax, axis_name) > 0)
         informative = jnp.asarray(False)
         pinned_low = jnp.asarray(False)
         pinned_high = jnp.asarray(False)
         for g in sorted(active, key=_natural):
             amax = _reduce(jnp.maximum(scale_stats.amax[g], p_amax[g]), jax.lax.pmax, axis_name)
             informative = informative | (amax > 0)
-            bad = scale_stats.bad[g] | ~(p_amax[g] < jnp.inf)
+            # Non-finite gradients that no cotangent statistic explains: their groups.
+            bad = scale_stats.bad[g] | (p_bad[g] & ~blamed_any)
             bad = _reduce(bad.astype(jnp.int32), jax.lax.pmax, axis_name) > 0
-            grads_finite = grads_finite & ~bad
+            # A group that only received non-finite values keeps its scale.
+            hold = ~bad & ~(amax < jnp.inf)
             unit_log2_amax = jnp.log2(amax) - used[g]  # -inf when nothing measured
             if scaler.decay != math.inf:  # a peak held, sinking `decay` binades a step
                 unit_log2_amax = jnp.maximum(unit_log2_amax, state.log2_amax[g] - scaler.decay)
@@ -783,10 +818,11 @@ def adaptive_unscale(
             if scaler.interval > 1:  # measured scales held between recomputations
                 target = jnp.where(recompute, target, log2[g])
             nxt = jnp.where(bad, log2[g] - drop, jnp.where(amax > 0, target, grown))
+            nxt = jnp.where(hold, log2[g], nxt)
             pinned_low = pinned_low | (bad & (log2[g] <= lo))
             pinned_high = pinned_high | ((amax == 0) & (log2[g] >= hi))
             new_log2[g] = jnp.clip(nxt, lo, hi).astype(jnp.float32)
-            new_amax[g] = jnp.where(bad, new_amax[g], unit_log2_amax).astype(jnp.float32)
+            new_amax[g] = jnp.where(bad | hold, new_amax[g], unit_log2_amax).astype(jnp.float32)
             new_bad[g] = bad
 
         loss_finite = (

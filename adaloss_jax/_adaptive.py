@@ -499,64 +499,78 @@ def _shift_hist(hist: jax.Array, k) -> jax.Array:
 def _combine(an: _Analysis, row_stats: list, limits: list, log2: dict, sigma: dict,
              scaler: AdaptiveScale) -> ScaleStats:
     """Per-point statistics rows -> per-group statistics at each group's scale; amax is
-    taken relative to the largest value of the format that holds it (``limits``)."""
-    ne = _points._NSTATS
-    z = jnp.zeros((), jnp.float32)
-    amax = {g: z for g in an.active}
-    sumsq = {g: z for g in an.active}
-    count = {g: z for g in an.active}
-    hist = {g: jnp.zeros((_NBINS,), jnp.float32) for g in an.active} if (
-        scaler.statistic == "quantile") else {}
-    by_pair: dict = {}
-    for pair, st, lim in zip(an.rows, row_stats, limits):
-        by_pair.setdefault((*pair, *lim), []).append(st)
+    taken relative to the largest value of the format that holds it (``limits``).
+
+    Vectorised over rows with static index arrays (a handful of ops whatever the model's
+    size: compile time stays flat in depth).
+    """
+    groups = sorted(an.active, key=_natural)
+    gi = {g: i for i, g in enumerate(groups)}
+    sets = sorted({r[0] for r in an.rows} | {r[1] for r in an.rows})
+    si = {a: i for i, a in enumerate(sets)}
+    ng, ns = len(groups), len(sets)
     fmt_max = scaler.format.max
-    false = jnp.asarray(False)
-    blame: dict = {}  # anchor set -> an overflow started there
-    arrived_bad: dict = {}  # anchor set -> something non-finite was converted into it
-    left_inf: dict = {}  # anchor set -> non-finite values left it
-    nonfinite = false
-    for (ya, xa, y_max, x_max), sts in by_pair.items():
-        m = jnp.stack(sts)
-        # A row written n times (a point in a loop) holds a sum of n maxima: an upper
-        # bound of their max, kept as it is (the scale errs low, never into overflow).
-        a = jnp.max(m[:, _points._AMAX], initial=0.0)
-        s2 = jnp.sum(m[:, _points._SUMSQ])
-        cnt = jnp.sum(m[:, _points._COUNT])
-        bad_y = jnp.sum(m[:, _points._BAD_Y]) > 0
-        bad_x = jnp.sum(m[:, _points._BAD_X]) > 0
-        inf_y = ~(a < jnp.inf)
-        nonfinite = nonfinite | bad_y | bad_x
-        blame[ya] = blame.get(ya, false) | (bad_y & ~inf_y)  # finite, too large there
-        left_inf[ya] = left_inf.get(ya, false) | inf_y
-        if xa != ya:
-            blame[xa] = blame.get(xa, false) | (bad_x & ~bad_y)  # the conversion overflowed
-            arrived_bad[xa] = arrived_bad.get(xa, false) | bad_x | bad_y
-        h = jnp.sum(m[:, ne:], axis=0) if hist else None
-        for g in dict.fromkeys(ya + xa):
-            if ya == (g,):
-                f, k = None, None
-            else:
-                k = log2[g] - sigma[ya]
-                f = pow2(k)
-            # In units of the group's format: a value held in a wider one has more room.
-            lim = min(y_max if g in ya else math.inf, x_max if g in xa else math.inf)
-            a_g = a if lim == fmt_max else a * (fmt_max / lim)
-            amax[g] = jnp.maximum(amax[g], a_g if f is None else a_g * f)
-            sumsq[g] = sumsq[g] + (s2 if f is None else s2 * f * f)
-            count[g] = count[g] + cnt
-            if hist:
-                hist[g] = hist[g] + (h if k is None else _shift_hist(h, k))
-    bad = {g: false for g in an.active}
-    for anchors in set(blame) | set(left_inf):
-        # Non-finite values left a region although all that came in was finite: the
-        # overflow started inside it.
-        started = blame.get(anchors, false) | (left_inf.get(anchors, false)
-                                               & ~arrived_bad.get(anchors, false))
-        for g in anchors:
-            bad[g] = bad[g] | started
     used = {g: log2[g] for g in an.active}
-    return ScaleStats(used, amax, bad, sumsq, count, hist, nonfinite)
+    if not an.rows:
+        z = {g: jnp.zeros((), jnp.float32) for g in groups}
+        hist = {g: jnp.zeros((_NBINS,), jnp.float32) for g in groups} if (
+            scaler.statistic == "quantile") else {}
+        return ScaleStats(used, z, {g: jnp.asarray(False) for g in groups}, z, z, hist,
+                          jnp.asarray(False))
+    m = jnp.stack(row_stats)
+    # Attributions: each row counts for every group anchoring either of its sides, at
+    # that group's scale (the row was measured at the scale of its y side).
+    e_row, e_grp, e_set, e_lim = [], [], [], []
+    for r, ((ya, xa), (y_max, x_max)) in enumerate(zip(an.rows, limits)):
+        for g in dict.fromkeys(ya + xa):
+            lim = min(y_max if g in ya else math.inf, x_max if g in xa else math.inf)
+            e_row.append(r)
+            e_grp.append(gi[g])
+            e_set.append(si[ya])
+            e_lim.append(fmt_max / lim)
+    e_row, e_grp, e_set = (jnp.asarray(v, jnp.int32) for v in (e_row, e_grp, e_set))
+    log2_vec = jnp.stack([log2[g] for g in groups])
+    sigma_vec = jnp.stack([sigma[a] for a in sets])
+    k = log2_vec[e_grp] - sigma_vec[e_set]
+    f = pow2(k)
+    # A row written n times (a point in a loop) holds a sum of n maxima: an upper bound
+    # of their max, kept as it is (the scale errs low, never into overflow).
+    a = m[e_row, _points._AMAX] * jnp.asarray(e_lim, jnp.float32) * f
+    amax_v = jnp.maximum(jax.ops.segment_max(a, e_grp, ng), 0.0)
+    sumsq_v = jax.ops.segment_sum(m[e_row, _points._SUMSQ] * f * f, e_grp, ng)
+    count_v = jax.ops.segment_sum(m[e_row, _points._COUNT], e_grp, ng)
+    hist = {}
+    if scaler.statistic == "quantile":
+        h = jax.vmap(_shift_hist)(m[e_row, _points._NSTATS:], k)
+        hist_v = jax.ops.segment_sum(h, e_grp, ng)
+        hist = {g: hist_v[i] for g, i in gi.items()}
+
+    # Overflow blame per anchor set (rows by their sides' sets).
+    amax_r = m[:, _points._AMAX]
+    bad_y = m[:, _points._BAD_Y] > 0
+    bad_x = m[:, _points._BAD_X] > 0
+    inf_y = ~(amax_r < jnp.inf)
+    y_set = jnp.asarray([si[r[0]] for r in an.rows], jnp.int32)
+    x_set = jnp.asarray([si[r[1]] for r in an.rows], jnp.int32)
+    conv = jnp.asarray([r[0] != r[1] for r in an.rows])
+    any_of = lambda v, idx: jax.ops.segment_max(v.astype(jnp.int32), idx, ns) > 0
+    blame = any_of(bad_y & ~inf_y, y_set) | any_of(conv & bad_x & ~bad_y, x_set)
+    left_inf = any_of(inf_y, y_set)
+    arrived_bad = any_of(conv & (bad_x | bad_y), x_set)
+    # Non-finite values left a region although all that came in was finite: the
+    # overflow started inside it.
+    started = blame | (left_inf & ~arrived_bad)
+    p_set, p_grp = [], []
+    for a_set in sets:
+        for g in a_set:
+            p_set.append(si[a_set])
+            p_grp.append(gi[g])
+    bad_v = jax.ops.segment_max(started[jnp.asarray(p_set)].astype(jnp.int32),
+                                jnp.asarray(p_grp), ng) > 0
+    nonfinite = jnp.any(bad_y | bad_x)
+    pick = lambda v: {g: v[i] for g, i in gi.items()}
+    return ScaleStats(used, pick(amax_v), pick(bad_v), pick(sumsq_v), pick(count_v), hist,
+                      nonfinite)
 
 
 def adaptive_value_and_grad(

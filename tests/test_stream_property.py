@@ -168,7 +168,7 @@ def _underflow(scaled, ref) -> list[float]:
             for a, r in zip(jax.tree_util.tree_leaves(scaled), jax.tree_util.tree_leaves(ref))]
 
 
-@settings(max_examples=12, deadline=None, derandomize=True,
+@settings(max_examples=6, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4), tied=st.booleans(),
        tiny=st.sampled_from([1.0, 2.0**-12, 2.0**-20]))
@@ -257,7 +257,7 @@ def _nnx_model(ops, tied, dtype):
 NNX_OPS = ("dense", "residual", "reuse", "concat", "cross", "bn")
 
 
-@settings(max_examples=6, deadline=None, derandomize=True,
+@settings(max_examples=3, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(st.sampled_from(NNX_OPS), min_size=2, max_size=4), tied=st.booleans())
 def test_random_nnx_graphs_exact_and_no_worse_than_global(ops, tied):

@@ -105,8 +105,8 @@ class AdaptiveScale:
         step (``held = max(amax, held_prev - decay)``), so a scale rises slowly after a
         spike while a larger amax lowers it at once: headroom for gradients that jump
         between steps, which a narrow format's small margin cannot give. ``math.inf``:
-        this step's amax alone. Default (``None``): ``math.inf``, or 1/16 for a format
-        spanning fewer than 30 binades.
+        this step's amax alone. Default (``None``): 1/16 with ``groups="module"`` and a
+        format spanning fewer than 30 binades, else ``math.inf``.
       grad_dtype: the format cotangents are stored in (``u_min``/``u_max`` come from it).
       groups: ``"global"`` (default: one statistics-driven scale for everything,
         measured at every module boundary) or ``"module"`` (one scale per module that
@@ -171,7 +171,11 @@ class AdaptiveScale:
         if self.decay is None:
             fmt = self.format
             wide = math.log2(fmt.max / fmt.min_subnormal) >= 30
-            object.__setattr__(self, "decay", math.inf if wide else 0.0625)
+            # Measured: per-layer scales at depth see gradients jump between steps and
+            # need the held peak; one global scale, set by the largest layer, does not,
+            # and the peak only costs it underflow (docs/results.md section 6).
+            held = not wide and self.groups == "module"
+            object.__setattr__(self, "decay", 0.0625 if held else math.inf)
         if not (isinstance(self.decay, int | float) and self.decay > 0):
             raise ValueError(f"decay must be a positive number of binades (or math.inf), "
                              f"got {self.decay!r}")

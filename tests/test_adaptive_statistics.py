@@ -203,3 +203,28 @@ def test_options_are_validated():
         alj.adaptive(interval=0)
     with pytest.raises(ValueError, match="quantile"):
         alj.adaptive(statistic="median")
+
+
+def test_held_peak_sinks_by_decay_per_step():
+    """decay=d: the amax rule uses max(amax, previous held peak - d) (unit scale)."""
+    params = {"params": {"a": {"w": jnp.zeros((3,))}}}
+    d, margin = 0.25, 2
+    scaler = alj.adaptive(groups="module", decay=d, margin=margin, grad_dtype="float8_e4m3fn")
+    tx = alj.adaptive_unscale(scaler)
+    update = jax.jit(functools.partial(tx.update, params=None))
+    state = tx.init(params)
+    log2_max = math.log2(448.0)
+    held = -math.inf
+    for unit in (0.0, -8.0, -8.0, 3.0, -8.0):
+        amax = 2.0 ** (unit + float(state.log2_scales["a"]))
+        rows = {"": (2.0**-3, 0.0, 8.0, False), "a": (amax, 0.0, 8.0, False)}
+        _, state = update(params, state, scale_stats=known_stats(state, rows))
+        held = max(unit, held - d)
+        assert float(state.log2_scales["a"]) == math.floor(log2_max - margin - held)
+
+
+@pytest.mark.parametrize("dtype,groups,decay", [
+    ("float8_e4m3fn", "module", 0.0625), ("float8_e4m3fn", "global", math.inf),
+    ("float16", "module", math.inf)])
+def test_default_decay(dtype, groups, decay):
+    assert alj.adaptive(grad_dtype=dtype, groups=groups).decay == decay

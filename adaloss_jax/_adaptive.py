@@ -311,15 +311,15 @@ def _natural(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def _owner_paths(params) -> list[tuple[str, ...]]:
-    """The module path that owns each leaf directly."""
-    return [p[:-1] for p in _leaf_paths(params)]
+def _owner_paths(params) -> set[tuple[str, ...]]:
+    """The module paths that own leaves directly (the top level's own leaves excluded)."""
+    return {p[:-1] for p in _leaf_paths(params) if len(p) > 1}
 
 
 def param_groups(params, scaler: AdaptiveScale) -> list[str]:
     """The scale groups of a parameter tree: the root and, with ``groups="module"``, every
     module that owns parameters directly, in natural order."""
-    groups = {ROOT} | {scaler.group_of(o) for o in _owner_paths(params) if o}
+    groups = {ROOT} | {scaler.group_of(o) for o in _owner_paths(params)}
     return sorted(groups, key=_natural)
 
 
@@ -421,8 +421,7 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
     """Traces the loss once with recording points and plans where conversions go."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     paths = _leaf_paths(params)
-    owner_paths = {p[:-1] for p in paths if len(p) > 1}
-    points = _points.Points(_point_config(scaler), _selector(scaler, owner_paths))
+    points = _points.Points(_point_config(scaler), _selector(scaler, _owner_paths(params)))
 
     def rec(lv):
         lv = _points.record_params(list(lv))
@@ -483,9 +482,9 @@ def _anchor_scales(log2: dict, pairs) -> tuple[dict, dict]:
             sigma[a] = v
         return sigma[a]
 
-    ratios = {(x, y): pow2(sig(x) - sig(y)) for x, y in pairs if x != y}
     for x, y in pairs:
         sig(x), sig(y)
+    ratios = {(x, y): pow2(sigma[x] - sigma[y]) for x, y in pairs if x != y}
     return sigma, ratios
 
 
@@ -633,7 +632,7 @@ def adaptive_value_and_grad(
         cfg = _point_config(scaler)
         width = _points.width(cfg.hist_lo is not None)
         dummies = [jnp.zeros((width,), jnp.float32) for _ in an.rows]
-        owner_paths = {p[:-1] for p in _leaf_paths(params) if len(p) > 1}
+        owner_paths = _owner_paths(params)
         sim = scaler.format.dtype if scaler.simulate else None
         limits: list = []
 

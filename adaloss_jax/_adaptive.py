@@ -806,18 +806,34 @@ def adaptive_unscale(
         informative = jnp.asarray(False)
         pinned_low = jnp.asarray(False)
         pinned_high = jnp.asarray(False)
+        amaxes = {
+            g: _reduce(jnp.maximum(scale_stats.amax[g], p_amax[g]), jax.lax.pmax, axis_name)
+            for g in active
+        }
+        # The scale one global group would get from this step's amax: on a finite step no
+        # group's scale goes below it, so a held peak never flushes more than global would.
+        unit_max = jnp.asarray(-jnp.inf, jnp.float32)
+        for g in active:
+            unit_max = jnp.maximum(unit_max, jnp.log2(amaxes[g]) - used[g])
+        use_floor = grads_finite & (unit_max > -jnp.inf) & (len(active) > 1)
+        if scaler.interval > 1:
+            use_floor = use_floor & recompute
+        floor_log2 = jnp.where(use_floor, jnp.floor(log2_max - scaler.margin - unit_max), -jnp.inf)
+        # Recovery: after max_consecutive_skips skips in a row, blame has not fixed the
+        # overflow; every group backs off, as one global scale would.
+        escalate = state.base.notfinite_count >= scaler.max_consecutive_skips
         for g in sorted(active, key=_natural):
-            amax = _reduce(jnp.maximum(scale_stats.amax[g], p_amax[g]), jax.lax.pmax, axis_name)
+            amax = amaxes[g]
             informative = informative | (amax > 0)
             # Non-finite gradients that no cotangent statistic explains: their groups.
-            bad = scale_stats.bad[g] | (p_bad[g] & ~blamed_any)
+            bad = scale_stats.bad[g] | (p_bad[g] & ~blamed_any) | (escalate & ~grads_finite)
             bad = _reduce(bad.astype(jnp.int32), jax.lax.pmax, axis_name) > 0
             # A group that only received non-finite values keeps its scale.
             hold = ~bad & ~(amax < jnp.inf)
             unit_log2_amax = jnp.log2(amax) - used[g]  # -inf when nothing measured
             if scaler.decay != math.inf:  # a peak held, sinking `decay` binades a step
                 unit_log2_amax = jnp.maximum(unit_log2_amax, state.log2_amax[g] - scaler.decay)
-            target = jnp.floor(log2_max - scaler.margin - unit_log2_amax)
+            target = jnp.maximum(jnp.floor(log2_max - scaler.margin - unit_log2_amax), floor_log2)
             if scaler.statistic == "gaussian":
                 sumsq = _reduce(scale_stats.sumsq[g], jax.lax.psum, axis_name)
                 count = _reduce(scale_stats.count[g], jax.lax.psum, axis_name)
@@ -831,7 +847,7 @@ def adaptive_unscale(
                                                             axis_name))
             # amax == 0: everything flushed (or no gradient at all). Every value was below
             # u_min / 2, so jumping by `blind_jump` binades still cannot overflow.
-            grown = log2[g] + blind_jump
+            grown = jnp.maximum(log2[g] + blind_jump, floor_log2)
             if scaler.interval > 1:  # measured scales held between recomputations
                 target = jnp.where(recompute, target, log2[g])
             nxt = jnp.where(bad, log2[g] - drop, jnp.where(amax > 0, target, grown))

@@ -125,12 +125,16 @@ def run_fp8(args) -> None:
     probe = (jnp.asarray(test_x[:128]), jnp.asarray(test_y[:128]))
     m16 = SigmoidStack(args.fp8_depth, dtype=jnp.float16)
     m32 = SigmoidStack(args.fp8_depth, dtype=jnp.float32)
+    kw = {k: float(v) for k, v in (a.split("=") for a in args.scaler.split(",") if a)}
+    kw = {k: int(v) if k in ("margin", "backoff") else v for k, v in kw.items()}
     configs = {
         "fp32": None,
-        "e4m3-global": alj.adaptive(grad_dtype="float8_e4m3fn", simulate=True),
+        "e4m3-global": alj.adaptive(grad_dtype="float8_e4m3fn", simulate=True, **kw),
         "e4m3-module": alj.adaptive(grad_dtype="float8_e4m3fn", simulate=True,
-                                    groups="module"),
+                                    groups="module", **kw),
     }
+    if args.configs:
+        configs = {k: configs[k] for k in args.configs.split(",")}
     results: dict = {k: [] for k in configs}
     for seed in [int(s) for s in args.seeds.split(",")]:
         idx = _data.epoch_indices(len(train_x), 128, args.steps, seed)
@@ -139,7 +143,7 @@ def run_fp8(args) -> None:
             params = m32.init(jax.random.key(seed), probe[0])["params"]
             if scaler is None:
                 loss32 = xent_loss(m32)
-                tx = optax.adam(1e-3)
+                tx = optax.adam(args.lr)
                 opt_state = tx.init(params)
 
                 @jax.jit
@@ -148,7 +152,7 @@ def run_fp8(args) -> None:
                     u, opt_state = tx.update(g, opt_state, params)
                     return optax.apply_updates(params, u), opt_state, loss
             else:
-                tx, step = scaled_step(xent_loss(m16), optax.adam(1e-3), scaler)
+                tx, step = scaled_step(xent_loss(m16), optax.adam(args.lr), scaler)
                 opt_state = tx.init(params)
                 step = jax.jit(step)
             for t in range(args.steps):
@@ -173,7 +177,7 @@ def run_fp8(args) -> None:
                          f"{100 * max(row['underflow']):.1f}%")
             print(f"seed {seed} {name:<12} acc {acc:.3f}{extra} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"\n{args.fp8_depth} x (Dense(128) + sigmoid), Fashion-MNIST, Adam 1e-3, "
+    print(f"\n{args.fp8_depth} x (Dense(128) + sigmoid), Fashion-MNIST, Adam {args.lr:g}, "
           f"{args.steps} steps, e4m3 cotangents")
     print(f"{'config':<13} {'test acc per seed':<24} {'mean':>6} {'skipped':>8} "
           f"{'worst layer underflow':>22}")
@@ -192,6 +196,11 @@ def main(argv=None) -> int:
     p.add_argument("--depth", type=int, default=24)
     p.add_argument("--fp8-depth", type=int, default=8)
     p.add_argument("--steps", type=int, default=1000)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--scaler", default="", help="fp8: extra numeric AdaptiveScale "
+                   "arguments for the e4m3 configs, e.g. margin=3,decay=0.25")
+    p.add_argument("--configs", default="", help="fp8: comma-separated subset of "
+                   "fp32,e4m3-global,e4m3-module (default all)")
     p.add_argument("--seeds", default="0,1,2")
     args = p.parse_args(argv)
     (run_depth if args.what == "depth" else run_fp8)(args)

@@ -11,6 +11,7 @@ from flax import linen as nn
 from test_adaptive import _grads_through, _setup, known_stats
 
 import adaloss_jax as alj
+from adaloss_jax._adaptive import HEALTH_SKIPPING
 
 LOG2_MAX = math.log2(65504.0)  # fp16
 E_MIN = -24  # log2 of fp16's smallest subnormal
@@ -205,8 +206,12 @@ def test_options_are_validated():
         alj.adaptive(statistic="median")
 
 
-def test_held_peak_sinks_by_decay_per_step():
-    """decay=d: the amax rule uses max(amax, previous held peak - d) (unit scale)."""
+@pytest.mark.parametrize("root_unit", [6.0, -12.0])
+def test_held_peak_sinks_by_decay_per_step_above_the_global_floor(root_unit):
+    """decay=d: the amax rule uses max(amax, previous held peak - d) (unit scale), but on
+    a finite step no group goes below the scale one global group would get from this
+    step's amax. root_unit=6: the root's large amax puts that floor under the held peak;
+    -12: the floor binds whenever the peak is held above this step's amax."""
     params = {"params": {"a": {"w": jnp.zeros((3,))}}}
     d, margin = 0.25, 2
     scaler = alj.adaptive(groups="module", decay=d, margin=margin, grad_dtype="float8_e4m3fn")
@@ -215,12 +220,18 @@ def test_held_peak_sinks_by_decay_per_step():
     state = tx.init(params)
     log2_max = math.log2(448.0)
     held = -math.inf
+    bound = []
     for unit in (0.0, -8.0, -8.0, 3.0, -8.0):
         amax = 2.0 ** (unit + float(state.log2_scales["a"]))
-        rows = {"": (2.0**-3, 0.0, 8.0, False), "a": (amax, 0.0, 8.0, False)}
+        root = 2.0 ** (root_unit + float(state.log2_scales[""]))
+        rows = {"": (root, 0.0, 8.0, False), "a": (amax, 0.0, 8.0, False)}
         _, state = update(params, state, scale_stats=known_stats(state, rows))
         held = max(unit, held - d)
-        assert float(state.log2_scales["a"]) == math.floor(log2_max - margin - held)
+        peak = math.floor(log2_max - margin - held)
+        floor = math.floor(log2_max - margin - max(unit, root_unit))
+        assert float(state.log2_scales["a"]) == max(peak, floor)
+        bound.append(floor > peak)
+    assert any(bound) == (root_unit < 0)  # each case exercises what it says
 
 
 @pytest.mark.parametrize("dtype,groups,decay", [
@@ -228,3 +239,25 @@ def test_held_peak_sinks_by_decay_per_step():
     ("float16", "module", math.inf)])
 def test_default_decay(dtype, groups, decay):
     assert alj.adaptive(grad_dtype=dtype, groups=groups).decay == decay
+
+
+def test_after_max_consecutive_skips_every_group_backs_off():
+    """Overflow is blamed where it started; a group that only received non-finite values
+    holds its scale. When K skips in a row show that blame is not fixing it, every group
+    backs off (the recovery one global scale would make)."""
+    params = {"params": {k: {"w": jnp.zeros((3,))} for k in "ab"}}
+    scaler = alj.adaptive(groups="module", max_consecutive_skips=2, backoff=1)
+    tx = alj.adaptive_unscale(scaler)
+    update = jax.jit(functools.partial(tx.update, params=None))
+    state = tx.init(params)
+    state = state._replace(log2_scales={g: jnp.float32(10.0) for g in state.log2_scales})
+    b_scales = []
+    for _ in range(4):
+        rows = {"": (1.0, 0.0, 8.0, False), "a": (math.inf, 0.0, 8.0, True),
+                "b": (math.inf, 0.0, 8.0, False)}
+        _, state = update(params, state, scale_stats=known_stats(state, rows))
+        b_scales.append(float(state.log2_scales["b"]))
+    assert int(state.base.total_skipped) == 4
+    # b held for the first K skips, then backs off by backoff * 2**min(n, 4).
+    assert b_scales == [10.0, 10.0, 6.0, -2.0]
+    assert int(state.health) & HEALTH_SKIPPING

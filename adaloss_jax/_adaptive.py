@@ -31,13 +31,19 @@ How it works (all inside one ``jax.jit``):
   each group's next scale from this step's statistics::
 
         amax_k = max(amax of k's measured cotangents and parameter gradients) / S_k
-        s_k    = floor(log2(u_max) - margin - log2(amax_k))           # "amax"
+        held_k = max(amax_k, held_k(previous step) / 2**decay)  # held peak; decay=inf: amax_k
+        s_k    = max(floor(log2(u_max) - margin - log2(held_k)),      # "amax"
+                     floor(log2(u_max) - margin - log2(max_j amax_j)))  # on finite steps:
+                 never below the scale one global group would get, so the held peak never
+                 flushes what one global scale would have kept
         s_k    = min(s_k, max(0, ceil(log2(u_min / (sqrt(2) erfinv(T) sigma_k)))))  # "gaussian"
         s_k    = min(s_k, min{q : #{|x| 2**q < 2 u_min} <= T * n_k})   # "quantile", x over
                  the n_k non-zero cotangents measured for k (none if the tail is cut off)
         s_k    = s_{k, previous}  on steps where total_applied % interval != 0
-        s_k    = s_k - backoff * 2**n if group k overflowed (its statistics are not finite)
-                                      after n consecutive skipped steps (n capped at 4)
+        s_k    = s_k - backoff * 2**n if an overflow started at group k's scale, after n
+                                      consecutive skipped steps (n capped at 4); a group that
+                                      only received non-finite values holds its scale, until
+                                      n >= max_consecutive_skips: then every group backs off
         s_k    = s_k + blind_jump     if nothing was measured (all of it flushed to zero);
                  blind_jump = floor(log2(u_max) - margin - log2(u_min) - 1), which cannot
                  overflow what was below u_min / 2

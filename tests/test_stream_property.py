@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import adaloss_jax as alj
@@ -172,6 +172,7 @@ def _underflow(scaled, ref) -> list[float]:
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4), tied=st.booleans(),
        tiny=st.sampled_from([1.0, 2.0**-12, 2.0**-20]))
+@example(ops=["scan", "remat", "dict", "cross"], tied=True, tiny=2.0**-20)
 def test_random_graphs_exact_stable_and_no_worse_than_global(ops, tied, tiny):
     tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
     m16 = RandomNet(tuple(ops), tied, jnp.float16)
@@ -227,6 +228,8 @@ def _nnx_model(ops, tied, dtype):
                 return nnx.List([nnx.Linear(W, W, rngs=rngs, dtype=dtype) for _ in range(3)])
             if op == "bn":
                 return nnx.BatchNorm(W, rngs=rngs, dtype=dtype)
+            if op == "scan":  # two stacked layers, run by nnx.scan
+                return nnx.split_rngs(splits=2)(nnx.vmap(lambda r: Dense(W, W, r)))(rngs)
             return Dense(W, W, rngs)
 
         def __call__(self, tokens):
@@ -247,6 +250,11 @@ def _nnx_model(ops, tied, dtype):
                     x = x + a.astype(dtype) @ v
                 elif op == "bn":
                     x = layer(x.reshape(-1, W)).reshape(x.shape)
+                elif op == "scan":
+                    x = nnx.scan(lambda c, m: c + m(c), in_axes=(nnx.Carry, 0),
+                                 out_axes=nnx.Carry)(x, layer)
+                elif op == "remat":
+                    x = nnx.remat(lambda m, x: x + m(x, gate=0.5))(layer, x)
                 else:
                     x = layer(x)
             return self.embed.attend(x) if tied else self.head(x)
@@ -254,12 +262,13 @@ def _nnx_model(ops, tied, dtype):
     return Net(nnx.Rngs(0))
 
 
-NNX_OPS = ("dense", "residual", "reuse", "concat", "cross", "bn")
+NNX_OPS = ("dense", "residual", "reuse", "concat", "cross", "bn", "scan", "remat")
 
 
-@settings(max_examples=3, deadline=None, derandomize=True,
+@settings(max_examples=4, deadline=None, derandomize=True,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(st.sampled_from(NNX_OPS), min_size=2, max_size=4), tied=st.booleans())
+@example(ops=["scan", "reuse", "remat", "cross"], tied=True)  # every transform, always
 def test_random_nnx_graphs_exact_and_no_worse_than_global(ops, tied):
     from flax import nnx
 
@@ -289,9 +298,17 @@ def test_random_nnx_graphs_exact_and_no_worse_than_global(ops, tied):
                                        scale_stats=stats)
             return updates, state, nnx.as_pure(g)
 
-        for _ in range(4):
+        warm, checked = 3, (20 if groups == "module" else 1)
+        for t in range(warm + checked):
             updates, state, scaled = step(model, state)
-        assert bool(alj.adaptive_state(state).base.last_applied), (ops, groups)
+            if t >= warm:
+                assert bool(alj.adaptive_state(state).base.last_applied), (ops, groups, t)
+        if groups == "module":  # every module the loss reaches got a scale of its own
+            moved = {g for g, v in alj.adaptive_state(state).log2_scales.items() if v != 0}
+            reached = {"/".join(str(k.key) for k in path[:-1])
+                       for path, r in jax.tree_util.tree_flatten_with_path(ref)[0]
+                       if np.any(np.asarray(r) != 0)}
+            assert reached <= moved, (ops, reached - moved)
         results[groups] = (updates, scaled)
     updates, scaled = results["module"]
     _assert_within_rounding(updates, results["global"][0], ref, ops)

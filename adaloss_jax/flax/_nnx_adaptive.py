@@ -20,7 +20,7 @@ from flax import nnx
 from adaloss_jax import _adaptive
 
 _LOCAL = threading.local()
-_SUBCLASSES: dict[type, type] = {}
+_SUBCLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 _BASE_NAMES = set(dir(nnx.Module))
 
 
@@ -33,21 +33,23 @@ def _scaled_method(cls: type, name: str):
     original = getattr(cls, name)
 
     def method(self, *args, **kwargs):
-        ctx = _active()
-        path = None if ctx is None else ctx[1].get(id(self))
-        if path is None:
+        points = _active()
+        if points is None:
             return original(self, *args, **kwargs)
-        return ctx[0].wrap(path, self, lambda *a, **k: original(self, *a, **k), args, kwargs)
+        return points.wrap(type(self)._adaloss_path, self,
+                           lambda *a, **k: original(self, *a, **k), args, kwargs)
 
     method.__name__ = name
     method.__qualname__ = f"{cls.__qualname__}.{name}"
     return method
 
 
-def _scaled_class(cls: type) -> type:
-    if cls in _SUBCLASSES.values():
-        return cls
-    if cls not in _SUBCLASSES:
+def _scaled_class(cls: type, path: tuple[str, ...]) -> type:
+    """A subclass of ``cls`` whose public methods report their calls as ``path``. The
+    path lives in the class, so it survives NNX's own split/merge inside ``nnx.scan``,
+    ``nnx.remat``, ``nnx.vmap`` and friends (a graphdef records the class)."""
+    key = (cls, path)
+    if key not in _SUBCLASSES:
         names = set()
         for klass in cls.__mro__:
             for name, value in vars(klass).items():
@@ -56,19 +58,22 @@ def _scaled_class(cls: type) -> type:
                 if public and plain and name not in _BASE_NAMES:
                     names.add(name)
         attrs = {n: _scaled_method(cls, n) for n in names if hasattr(cls, n)}
-        _SUBCLASSES[cls] = type(cls.__name__, (cls,), attrs)
-    return _SUBCLASSES[cls]
+        attrs["_adaloss_path"] = path
+        _SUBCLASSES[key] = type(cls.__name__, (cls,), attrs)
+    return _SUBCLASSES[key]
 
 
-def _install(model: nnx.Module, paths: dict) -> list:
-    """Swaps the classes of ``model``'s modules (a private copy!), filling ``paths``
-    (id -> path); returns the ``(module, original class)`` pairs for :func:`_uninstall`."""
-    swapped = []
+def _install(model: nnx.Module) -> list:
+    """Swaps the classes of ``model``'s modules (a private copy!) for subclasses that know
+    their path (a module shared between two places: its first path); returns the
+    ``(module, original class)`` pairs for :func:`_uninstall`."""
+    swapped, seen = [], set()
     for path, sub in nnx.iter_graph(model):
-        if isinstance(sub, nnx.Module) and id(sub) not in paths:
-            paths[id(sub)] = tuple(str(k) for k in path)
+        if isinstance(sub, nnx.Module) and id(sub) not in seen:
+            seen.add(id(sub))
             swapped.append((sub, type(sub)))
-            object.__setattr__(sub, "__class__", _scaled_class(type(sub)))
+            cls = _scaled_class(type(sub), tuple(str(k) for k in path))
+            object.__setattr__(sub, "__class__", cls)
     return swapped
 
 
@@ -81,7 +86,7 @@ class _Hook:
     """Context under which the copies made by the pure loss report to ``points``."""
 
     def __init__(self, points):
-        self.ctx = (points, {})
+        self.ctx = points
 
     def __enter__(self):
         stack = getattr(_LOCAL, "stack", None)
@@ -113,8 +118,7 @@ def nnx_adaptive_value_and_grad(
 
     def pure(params, graphdef, rest, *args, **kwargs):
         copy = nnx.merge(graphdef, params, rest, copy=True)
-        ctx = _active()
-        swapped = _install(copy, ctx[1]) if ctx is not None else []
+        swapped = _install(copy) if _active() is not None else []
         try:
             out = loss_fn(copy, *args, **kwargs)
         finally:

@@ -704,7 +704,8 @@ def adaptive_unscale(
 ) -> optax.GradientTransformationExtraArgs:
     """Unscales each parameter leaf by its own group's scale and updates the scales.
 
-    Use as ``optax.chain(adaptive_unscale(scaler), skip_nonfinite(inner))`` and call
+    Use as ``optax.chain(adaptive_unscale(), inner)`` (a skipped step gives ``inner`` a
+    zero gradient) or, to skip exactly, :func:`adaptive_scaled` ``(inner)``, and call
     ``tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)`` with the
     outputs of :func:`adaptive_value_and_grad` (with the same ``scaler``; default
     ``AdaptiveScale()``). Skips are decided and signalled exactly as in
@@ -884,6 +885,23 @@ def adaptive_unscale(
         return updates, AdaptiveScaleState(base, new_log2, new_amax, new_bad, health)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
+
+
+def adaptive_scaled(
+    inner: optax.GradientTransformation,
+    scaler: AdaptiveScale | None = None,
+    *,
+    axis_name: str | None = None,
+) -> optax.GradientTransformationExtraArgs:
+    """``optax.chain(adaptive_unscale(scaler), skip_nonfinite(inner))``: the exact skip.
+
+    The literal ``optax.chain(adaptive_unscale(), inner)`` is safe too (a skipped step
+    hands ``inner`` a zero gradient, never NaN), but ``inner`` still steps on it: Adam's
+    moments decay and its momentum and weight decay move the parameters. Here a skipped
+    step leaves the parameters and ``inner``'s state exactly as they were.
+    """
+    return optax.chain(adaptive_unscale(scaler, axis_name=axis_name),
+                       _transforms.skip_nonfinite(inner))
 
 
 def scale_summary(opt_state: Any) -> dict:

@@ -52,10 +52,23 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
 
 def signal_skip(updates: Any, applied: jax.Array) -> Any:
-    """NaN updates on a skipped step: the signal :func:`skip_nonfinite` acts on."""
+    """On a skipped step, ``-0.0`` everywhere: a zero gradient for any transformation
+    after this one (nothing is poisoned), and a signal :func:`skip_nonfinite` recognises
+    (no real gradient is negative zero in every element of every leaf)."""
     return jax.tree_util.tree_map(
-        lambda u: jnp.where(applied, u, jnp.asarray(jnp.nan, u.dtype)), updates
+        lambda u: jnp.where(applied, u, jnp.asarray(-0.0, u.dtype)), updates
     )
+
+
+def is_skip_signal(tree: Any) -> jax.Array:
+    """True iff ``tree`` is :func:`signal_skip`'s skipped-step signal (all ``-0.0``)."""
+    leaves = jax.tree_util.tree_leaves(tree)
+    if not leaves:
+        return jnp.asarray(False)
+    out = jnp.asarray(True)
+    for x in leaves:
+        out = out & jnp.all((x == 0) & jnp.signbit(x))
+    return out
 
 
 def _to_fp32(g: jax.Array) -> jax.Array:
@@ -74,15 +87,17 @@ def unscale(
         loss_finite = isfinite(loss)            # True when no loss= is passed
         applied = all_finite(updates) and loss_finite   # reduced over axis_name
         state = policy.adjust(state, all_finite(updates), loss_finite)
-        if not applied: updates = NaN everywhere (the skip signal for skip_nonfinite)
+        if not applied: updates = -0.0 everywhere (the skip signal for skip_nonfinite)
 
     Pass the unscaled loss as ``tx.update(..., loss=loss)``: a non-finite loss (the
     forward pass overflowed) then skips the step without backing the scale off, since a
     smaller scale cannot fix the forward pass. Without ``loss=`` such a step is treated
     as a gradient overflow.
 
-    Warning: place :func:`skip_nonfinite` (or ``optax.apply_if_finite``) around the
-    transformations after this one, or a skipped step poisons them with NaN.
+    On a skipped step the updates are ``-0.0`` (:func:`signal_skip`): the transformations
+    after this one see a zero gradient, so nothing is poisoned, but a stateful optimizer
+    still takes a step (Adam's moments decay and its momentum moves the parameters).
+    Wrap them in :func:`skip_nonfinite` (or use :func:`loss_scaled`) to skip exactly.
 
     Args:
       policy: a policy from :func:`dynamic`, :func:`static` or :func:`no_scaling`.
@@ -132,12 +147,13 @@ class SkipNonFiniteState(NamedTuple):
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """Applies ``inner`` only when the incoming updates are all finite.
+    """Applies ``inner`` only when the incoming updates are all finite and are not the
+    skipped-step signal of :func:`unscale` / :func:`adaptive_unscale`.
 
-    On a non-finite step the outgoing updates are zeros and ``inner``'s state is kept
-    as it was (selected branch-free, so it is jit- and GPU-friendly). Unlike
+    Otherwise the outgoing updates are zeros and ``inner``'s state is kept as it was
+    (selected branch-free, so it is jit- and GPU-friendly): an exact skip. Unlike
     ``optax.apply_if_finite`` it never gives up after a number of failures; the
-    counters live in :func:`unscale`'s state.
+    counters live in the scaler's state.
     """
     inner = optax.with_extra_args_support(inner)
 
@@ -145,7 +161,7 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
         return SkipNonFiniteState(inner.init(params))
 
     def update_fn(updates, state, params=None, **extra_args):
-        ok = all_finite(updates)
+        ok = all_finite(updates) & ~is_skip_signal(updates)
         safe = jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), updates)
         new_updates, new_inner = inner.update(safe, state.inner_state, params, **extra_args)
         new_updates = jax.tree_util.tree_map(

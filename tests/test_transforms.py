@@ -117,7 +117,7 @@ def test_twin_run_matches_control_that_skips_explicitly():
             if finite_run == 4:
                 scale, finite_run = scale * 2, 0
         else:
-            assert all(bool(jnp.all(jnp.isnan(g))) for g in jax.tree_util.tree_leaves(handed))
+            assert bool(alj._transforms.is_skip_signal(handed))
             scale, finite_run = scale / 2, 0
         # From identical gradients AdamW computes the same values, but XLA:CPU may round
         # its second-moment update differently (fma contraction) when the same optax
@@ -169,18 +169,27 @@ def test_nonfinite_loss_skips_without_backing_off():
     assert (int(b.total_skipped), int(b.total_nonfinite_loss)) == (1, 1)
 
 
-def test_without_skip_nonfinite_a_skip_is_loud_nan():
-    # Documented: unscale hands on NaN updates on a skipped step; without
-    # skip_nonfinite the parameters become NaN (never a silent skip).
+def test_without_skip_nonfinite_a_skip_is_a_zero_gradient_step():
+    # Documented: on a skipped step unscale hands on -0.0; without skip_nonfinite the
+    # inner optimizer takes a zero-gradient step (finite parameters, never NaN), and the
+    # skip is still counted in the scaler's state.
     tx = optax.chain(alj.unscale(POLICY), INNER)
     params = init_params()
     history = run_scaled(params, tx.init(params), 4, tx=tx)
-    p2, s2, _ = history[2]
     p3, s3, _ = history[3]
-    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(p2))
-    assert all(bool(jnp.all(jnp.isnan(x))) for x in jax.tree_util.tree_leaves(p3))
-    assert float(alj.scale_state(s3).loss_scale) == float(alj.scale_state(s2).loss_scale) / 2
+    assert all(bool(jnp.all(jnp.isfinite(x))) for x in jax.tree_util.tree_leaves(p3))
+    assert float(alj.scale_state(s3).loss_scale) == float(alj.scale_state(history[2][1]).loss_scale) / 2
     assert not bool(alj.scale_state(s3).last_applied)
+
+
+def test_skip_signal_is_negative_zero_and_recognised():
+    grads = {"a": jnp.asarray([1.0, -2.0]), "b": jnp.zeros((2, 2))}
+    skipped = jax.jit(alj._transforms.signal_skip)(grads, jnp.asarray(False))
+    assert all(bool(jnp.all(jnp.signbit(x) & (x == 0))) for x in jax.tree_util.tree_leaves(skipped))
+    assert bool(alj._transforms.is_skip_signal(skipped))
+    # Real gradients, even all-zero ones (+0.0), are never taken for the signal.
+    assert not bool(alj._transforms.is_skip_signal(grads))
+    assert not bool(alj._transforms.is_skip_signal({"b": jnp.zeros(3)}))
 
 
 def test_unscale_gives_unscaled_fp32_updates():

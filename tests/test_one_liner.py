@@ -1,0 +1,83 @@
+"""The card's usage as written: ``optax.chain(adaptive_unscale(), optax.adamw(...))``.
+
+A skipped step must never poison the parameters; with :func:`adaptive_scaled` it must
+leave them and the optimizer's state exactly as they were."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+
+import adaloss_jax as alj
+
+
+class MLP(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Dense(16, dtype=jnp.float16)(x))
+        return nn.Dense(4, dtype=jnp.float16)(x)
+
+
+def _setup():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(32, 8)), jnp.float32)
+    y = jnp.asarray(rng.integers(0, 4, size=32))
+    params = MLP().init(jax.random.key(0), x)["params"]
+
+    def loss_fn(p, x, y, blow):
+        logits = MLP().apply({"params": p}, x).astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return loss * 2.0**-20 * blow  # tiny gradients; blow=2**60 overflows them
+
+    return params, loss_fn, x, y
+
+
+def _train(tx, blows):
+    params, loss_fn, x, y = _setup()
+    vg = alj.adaptive_value_and_grad(loss_fn)
+
+    @jax.jit
+    def step(params, opt_state, blow):
+        loss, grads, stats = vg(opt_state, params, x, y, blow)
+        updates, opt_state = tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)
+        return optax.apply_updates(params, updates), opt_state
+
+    opt_state = tx.init(params)
+    out = [(params, opt_state)]
+    for b in blows:
+        out.append(step(*out[-1], jnp.float32(b)))
+    return out
+
+
+BLOWS = [1.0, 1.0, 1.0, 2.0**60, 1.0, 1.0]
+
+
+def test_literal_chain_never_poisons_and_trains():
+    tx = optax.chain(alj.adaptive_unscale(), optax.adamw(1e-2))
+    hist = _train(tx, BLOWS)
+    skipped = [not bool(alj.adaptive_state(s).base.last_applied) for _, s in hist[1:]]
+    # Step 1 (scale 1: everything flushes) and step 4 (overflow) are skipped.
+    assert skipped == [True, False, False, True, False, False]
+    for p, _ in hist:
+        assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree_util.tree_leaves(p))
+    moved = [v for v in jax.tree_util.tree_leaves(jax.tree_util.tree_map(
+        lambda a, b: jnp.max(jnp.abs(a - b)), hist[-1][0], hist[2][0]))]
+    assert max(float(m) for m in moved) > 0  # it trains
+
+
+def test_adaptive_scaled_skips_exactly():
+    tx = alj.adaptive_scaled(optax.adamw(1e-2))
+    hist = _train(tx, BLOWS)
+    (p3, s3), (p4, s4) = hist[3], hist[4]
+    assert not bool(alj.adaptive_state(s4).base.last_applied)
+    for a, b in zip(jax.tree_util.tree_leaves(p3), jax.tree_util.tree_leaves(p4)):
+        np.testing.assert_array_equal(a, b)
+    inner3, inner4 = s3[1], s4[1]
+    for a, b in zip(jax.tree_util.tree_leaves(inner3), jax.tree_util.tree_leaves(inner4)):
+        np.testing.assert_array_equal(a, b)
+    # The first step (nothing measured) is skipped exactly too: parameters unchanged.
+    for a, b in zip(jax.tree_util.tree_leaves(hist[0][0]), jax.tree_util.tree_leaves(hist[1][0])):
+        np.testing.assert_array_equal(a, b)

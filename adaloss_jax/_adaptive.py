@@ -442,9 +442,10 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
         if not points.reported:
             raise ValueError(
                 "groups='module' found no module call inside the loss function: call the "
-                "Flax model (model.apply(...) for linen, the model for NNX) inside it, or "
-                "mark layer functions with adaloss_jax.scale_group(name) (pure JAX), or use "
-                "groups='global'"
+                "model inside it (model.apply(...) for linen, the model for NNX with "
+                "adaloss_jax.flax.nnx_adaptive_value_and_grad, for Equinox with "
+                "adaloss_jax.equinox.eqx_adaptive_value_and_grad), or mark layer functions "
+                "with adaloss_jax.scale_group(name) (pure JAX), or use groups='global'"
             )
         if not group_calls:
             raise ValueError(

@@ -1,0 +1,144 @@
+"""The Equinox front end: unmodified eqx.Module models, scaled per module, exact against
+fp32 and never worse than one global scale (the checks of the linen and NNX property
+tests), including stacked layers run by ``jax.lax.scan`` and a module applied twice."""
+
+from __future__ import annotations
+
+import equinox as eqx
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from test_stream_property import _assert_within_rounding, _underflow
+
+import adaloss_jax as alj
+from adaloss_jax.equinox import eqx_adaptive_value_and_grad
+
+W, V, T, B = 8, 16, 6, 4
+
+
+class Dense(eqx.Module):
+    weight: jax.Array
+    bias: jax.Array
+    dtype: object = eqx.field(static=True)
+
+    def __init__(self, din, dout, dtype, key):
+        self.weight = jax.random.normal(key, (din, dout)) / din**0.5
+        self.bias = jnp.zeros((dout,))
+        self.dtype = dtype
+
+    def __call__(self, x, *, gate=1.0):
+        y = x.astype(self.dtype) @ self.weight.astype(self.dtype) + self.bias.astype(self.dtype)
+        return jnp.tanh(y) * gate
+
+
+class Net(eqx.Module):
+    embed: jax.Array
+    shared: Dense
+    layers: list
+    stack: Dense
+    head: Dense
+    ops: tuple = eqx.field(static=True)
+    dtype: object = eqx.field(static=True)
+
+    def __init__(self, ops, dtype, key):
+        keys = jax.random.split(key, len(ops) + 4)
+        self.embed = jax.random.normal(keys[0], (V, W))
+        self.shared = Dense(W, W, dtype, keys[1])
+        self.layers = [Dense(2 * W if op == "concat" else W, W, dtype, k)
+                       for op, k in zip(ops, keys[4:])]
+        # Two stacked layers (leading axis), run by jax.lax.scan.
+        self.stack = eqx.filter_vmap(lambda k: Dense(W, W, dtype, k))(jax.random.split(keys[2], 2))
+        self.head = Dense(W, V, dtype, keys[3])
+        self.ops, self.dtype = tuple(ops), dtype
+
+    def __call__(self, tokens):
+        x = self.embed[tokens].astype(self.dtype)
+        for op, layer in zip(self.ops, self.layers):
+            if op == "dense":
+                x = layer(x)
+            elif op == "residual":
+                x = x + layer(x, gate=0.5)
+            elif op == "reuse":
+                x = self.shared(x, gate=0.5) + self.shared(x * 0.25, gate=2.0) + layer(x)
+            elif op == "concat":
+                x = layer(jnp.concatenate([x, jnp.tanh(x)], axis=-1))
+            elif op == "scan":
+                params, static = eqx.partition(self.stack, eqx.is_array)
+
+                def body(c, p):
+                    return c + eqx.combine(p, static)(c), None
+
+                x, _ = jax.lax.scan(body, x, params)
+        return self.head(x) * 4.0
+
+
+OPS = ("dense", "residual", "reuse", "concat", "scan")
+
+
+def _loss(tiny):
+    def loss_fn(model, tokens):
+        logits = model(tokens[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean() * tiny
+
+    return loss_fn
+
+
+def _params(model):
+    return eqx.filter(model, eqx.is_inexact_array)
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4))
+@example(ops=["scan", "reuse", "concat"])
+def test_random_eqx_graphs_exact_and_no_worse_than_global(ops):
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
+    loss_fn = _loss(2.0**-16)
+    m32 = Net(ops, jnp.float32, jax.random.key(0))
+    ref = _params(eqx.filter_grad(loss_fn)(m32, tokens))
+    results = {}
+    for groups in ("module", "global"):
+        scaler = alj.adaptive(groups=groups)
+        model = Net(ops, jnp.float16, jax.random.key(0))
+        tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
+        state = tx.init(_params(model))
+        vg = eqx_adaptive_value_and_grad(loss_fn, scaler)
+
+        @eqx.filter_jit
+        def step(model, state, vg=vg, tx=tx):
+            loss, g, stats = vg(state, model, tokens)
+            updates, state = tx.update(g, state, _params(model), loss=loss, scale_stats=stats)
+            return updates, state, g
+
+        for t in range(3 + 20):
+            updates, state, scaled = step(model, state)
+            if t >= 3:
+                assert bool(alj.adaptive_state(state).base.last_applied), (ops, groups, t)
+        results[groups] = (updates, scaled, alj.adaptive_state(state))
+    updates, scaled, ad = results["module"]
+    _assert_within_rounding(updates, results["global"][0], ref, ops)
+    for a, b in zip(_underflow(scaled, ref), _underflow(results["global"][1], ref)):
+        assert a <= b + 1e-3, ops
+    # Every module the loss reaches has its own scale (the scanned stack included).
+    reached = {f"layers/{i}" for i, op in enumerate(ops) if op != "scan"} | {"head"}
+    reached |= {"stack"} if "scan" in ops else set()
+    reached |= {"shared"} if "reuse" in ops else set()
+    assert reached <= {g for g, v in ad.log2_scales.items() if v != 0}, ad.log2_scales
+    # The user's model is untouched: its modules keep their classes.
+    assert type(model.head) is Dense and type(model.stack) is Dense
+
+
+def test_no_module_call_is_an_error_that_names_the_fix():
+    model = Net(("dense",), jnp.float16, jax.random.key(0))
+    scaler = alj.adaptive(groups="module")
+    state = alj.adaptive_unscale(scaler).init(_params(model))
+
+    def loss_fn(model, x):  # reads an array but calls no module
+        return jnp.sum(model.embed * x)
+
+    with pytest.raises(ValueError, match="Equinox"):
+        eqx_adaptive_value_and_grad(loss_fn, scaler)(state, model, 1.0)

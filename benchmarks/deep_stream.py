@@ -207,7 +207,7 @@ def run_fp8(args) -> None:
             d = np.asarray(accs) - np.asarray(base)
             gap = f"{d.mean():+.3f} ± {d.std(ddof=1) if len(d) > 1 else 0.0:.3f}"
         skipped = "-" if name == "fp32" else str(sum(r["skipped"] for r in rows))
-        worst = lambda key: "-" if name == "fp32" else (
+        worst = lambda key, name=name, rows=rows: "-" if name == "fp32" else (
             f"{100 * max(max(r[key]) for r in rows):.2f}%")
         print(f"{name:<13} {' '.join(f'{a:.3f}' for a in accs):<24} {np.mean(accs):>6.3f} "
               f"{gap:>21} {skipped:>8} {worst('underflow'):>22} {worst('held'):>20}")

@@ -105,7 +105,8 @@ def main() -> None:
         finite = all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree_util.tree_leaves(params))
         skipped = int(alj.adaptive_state(state).base.total_skipped)
         logits = MLP().apply({"params": params}, test_x).astype(jnp.float32)
-        acc = float(np.mean(np.argmax(np.asarray(logits), -1) == test_y)) if finite else float("nan")
+        acc = (float(np.mean(np.argmax(np.asarray(logits), -1) == test_y)) if finite
+               else float("nan"))
         ratio = np.mean(skip_dp) / np.median(applied_dp) if finite else float("nan")
         print(f"{name:<8} {str(finite):>13} {skipped:>8} {ratio:>20.3f} {np.mean(dmu):>14.3f} "
               f"{np.mean(dnu):>14.3f} {acc:>9.3f}")

@@ -69,7 +69,7 @@ class Net(eqx.Module):
             elif op == "scan":
                 params, static = eqx.partition(self.stack, eqx.is_array)
 
-                def body(c, p):
+                def body(c, p, static=static):
                     return c + eqx.combine(p, static)(c), None
 
                 x, _ = jax.lax.scan(body, x, params)

@@ -906,20 +906,23 @@ def adaptive_scaled(
 
 
 def scale_summary(opt_state: Any) -> dict:
-    """The adaptive state as plain Python data for logs (call outside jit).
+    """The adaptive state as plain Python data for logs (call outside jit), from any
+    state a user holds (an optimizer state, a flax ``TrainState``, an ``nnx.Optimizer``
+    or its raw ``opt_state``), groups in model order.
 
     Keys: ``log2_group_scales``, ``log2_unit_amax``, ``overflowed`` (``{group: value}``)
     and ``group_log2_min_med_max`` over the non-root groups (the root if it is alone).
     """
     st = jax.device_get(adaptive_state(opt_state))
-    groups = {g: float(v) for g, v in st.log2_scales.items()}
+    order = sorted(st.log2_scales, key=_natural)  # model order: Dense_2 before Dense_10
+    groups = {g: float(st.log2_scales[g]) for g in order}
     vals = sorted(v for g, v in groups.items() if g) or [groups[ROOT]]
     mid = len(vals) // 2
     median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
     return {
         "log2_group_scales": groups,
-        "log2_unit_amax": {g: float(v) for g, v in st.log2_amax.items()},
-        "overflowed": {g: bool(v) for g, v in st.overflowed.items()},
+        "log2_unit_amax": {g: float(st.log2_amax[g]) for g in order},
+        "overflowed": {g: bool(st.overflowed[g]) for g in order},
         "group_log2_min_med_max": [vals[0], median, vals[-1]],
     }
 

@@ -182,8 +182,24 @@ def loss_scaled(
     return optax.chain(unscale(policy, axis_name=axis_name), skip_nonfinite(inner))
 
 
+def _plain_state(tree: Any) -> Any:
+    """An optimizer state as a user may hold it, as plain arrays: a flax ``TrainState``
+    or ``nnx.Optimizer`` stands for its ``opt_state``; NNX variables for their values."""
+    if not isinstance(tree, tuple | list | dict) and hasattr(tree, "opt_state"):
+        tree = tree.opt_state
+    try:
+        from flax import nnx
+    except ImportError:  # no flax: no NNX variables either
+        return tree
+    is_var = lambda x: isinstance(x, nnx.Variable)
+    return jax.tree_util.tree_map(lambda x: x.get_value() if is_var(x) else x, tree,
+                                  is_leaf=is_var)
+
+
 def find_one(tree: Any, kind: type, how_to_build: str) -> Any:
-    """The single instance of ``kind`` inside ``tree`` (e.g. an optimizer state)."""
+    """The single instance of ``kind`` inside ``tree`` (e.g. an optimizer state, a flax
+    ``TrainState`` or an ``nnx.Optimizer``, NNX variables included)."""
+    tree = _plain_state(tree)
     found = [
         x
         for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kind))

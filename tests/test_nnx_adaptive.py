@@ -111,3 +111,36 @@ def test_nnx_train_step_adaptive_fp16_skips_and_learns():
     assert losses[-1] < losses[0]
     scales = alj.adaptive_state(nnx.as_pure(optimizer.opt_state)).log2_scales
     assert len({float(v) for v in scales.values()}) > 1  # per-group scales really differ
+
+
+def test_scale_table_and_summary_accept_every_nnx_state_in_model_order():
+    import jax.numpy as jnp
+    import optax
+    from flax import nnx
+
+    import adaloss_jax as alj
+    from adaloss_jax.flax import nnx_optimizer, nnx_train_step
+
+    class Chain(nnx.Module):
+        def __init__(self, rngs):
+            self.l = nnx.List([nnx.Linear(4, 4, rngs=rngs, dtype=jnp.float16)
+                               for _ in range(11)])
+
+        def __call__(self, x):
+            for layer in self.l:
+                x = layer(x)
+            return x
+
+    model = Chain(nnx.Rngs(0))
+    opt = nnx_optimizer(model, optax.adam(1e-3), alj.adaptive(groups="module"))
+
+    @nnx.jit
+    def step(model, opt, x):
+        return nnx_train_step(model, opt, lambda m, x: jnp.mean(m(x).astype(jnp.float32) ** 2), x)
+
+    step(model, opt, jnp.ones((2, 4)))
+    expected = [""] + [f"l/{i}" for i in range(11)]
+    for held in (opt, opt.opt_state, nnx.as_pure(opt.opt_state)):
+        assert list(alj.scale_summary(held)["log2_group_scales"]) == expected
+        rows = [line.split()[0] for line in alj.scale_table(held).splitlines()[1:]]
+        assert rows == ["(root)"] + expected[1:]

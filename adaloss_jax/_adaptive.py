@@ -240,6 +240,9 @@ class AdaptiveScaleState(NamedTuple):
         overflowed at ``min_scale``: backing off cannot help), ``HEALTH_NOTHING_MEASURED``
         (a group measured nothing at ``max_scale``: its gradients are zero, or the loss
         does not reach it). :func:`check_health` explains the bits (outside jit).
+      structure: ``{fingerprint: 0}``: the fingerprint (in the tree structure, so it is
+        known at trace time) of the parameter paths and shapes the state was built for;
+        gradients, statistics or parameters of another model are refused.
     """
 
     base: LossScaleState
@@ -247,6 +250,7 @@ class AdaptiveScaleState(NamedTuple):
     log2_amax: dict
     overflowed: dict
     health: jax.Array
+    structure: dict = {}  # never mutated
 
 
 HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
@@ -274,6 +278,8 @@ class ScaleStats(NamedTuple):
       sumsq / count: sum of squares and element count (the gaussian rule).
       hist: per-binade histogram at the group's scale (``statistic="quantile"``), or
         ``{}``.
+      structure: ``{fingerprint: 0}`` of the parameters the statistics were measured for
+        (see :class:`AdaptiveScaleState`); ``{}`` skips the check.
     """
 
     log2_scales: dict
@@ -283,6 +289,7 @@ class ScaleStats(NamedTuple):
     count: dict
     hist: dict
     nonfinite: jax.Array
+    structure: dict = {}  # never mutated
 
 
 # --------------------------------------------------------------------------- groups
@@ -308,6 +315,29 @@ def _leaf_paths(tree) -> list[tuple[str, ...]]:
             p = p[:-1]
         paths.append(_strip_collection(tuple(_key_name(k) for k in p)))
     return paths
+
+
+def _fingerprint(tree) -> str:
+    """A short hash of a parameter tree's leaf paths and shapes (not dtypes: fp32 master
+    parameters and fp16 gradients match)."""
+    import hashlib
+
+    shapes = [tuple(getattr(x, "shape", ())) for x in jax.tree_util.tree_leaves(tree)]
+    text = repr(list(zip(_leaf_paths(tree), shapes)))
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def _check_structure(state_structure: dict, tree, what: str, fix: str) -> None:
+    """Trace-time refusal of ``tree`` (or a fingerprint) from another model."""
+    if not state_structure:  # a state from before fingerprints, or hand-made statistics
+        return
+    expected = next(iter(state_structure))
+    got = tree if isinstance(tree, str) else _fingerprint(tree)
+    if got != expected:
+        raise ValueError(
+            f"{what} belong to another model than this optimizer state (parameter paths or "
+            f"shapes differ: fingerprint {got} != {expected}); {fix}"
+        )
 
 
 def _natural(name: str):
@@ -619,6 +649,8 @@ def adaptive_value_and_grad(
     def wrapped(opt_state, params, *args, **kwargs):
         state = adaptive_state(opt_state)
         log2 = state.log2_scales
+        _check_structure(state.structure, params, "the parameters",
+                         "pass the optimizer state built by tx.init for these parameters")
         key = _structure_key(params, args, kwargs)
         an = plans.get(key)
         if an is None:
@@ -666,6 +698,7 @@ def adaptive_value_and_grad(
         )(leaves, dummies)
         grads = jax.tree_util.tree_unflatten(treedef, g_leaves)
         stats = _combine(an, row_stats, limits, log2, sigma, scaler)
+        stats = stats._replace(structure={_fingerprint(params): jnp.zeros((), jnp.int8)})
         return ((loss, aux) if has_aux else loss), grads, stats
 
     wrapped.plans = plans
@@ -756,6 +789,7 @@ def adaptive_unscale(
             log2_amax={g: f32(-jnp.inf) for g in groups},
             overflowed={g: jnp.asarray(False) for g in groups},
             health=jnp.zeros((), jnp.int32),
+            structure={_fingerprint(params): jnp.zeros((), jnp.int8)},
         )
 
     def update_fn(updates, state, params=None, *, loss=None, scale_stats=None, **extra):
@@ -771,6 +805,13 @@ def adaptive_unscale(
             )
         log2 = state.log2_scales
         used = scale_stats.log2_scales
+        _check_structure(state.structure, updates, "the gradients",
+                         "pass the gradients of the parameters tx.init was called with, or "
+                         "re-run tx.init(params) for this model")
+        if scale_stats.structure:
+            _check_structure(state.structure, next(iter(scale_stats.structure)),
+                             "the scale_stats", "pass the statistics adaptive_value_and_grad "
+                             "returned for this model with this optimizer state")
         unknown = sorted(set(used) - set(log2), key=_natural)
         if unknown:
             raise ValueError(
@@ -883,7 +924,8 @@ def adaptive_unscale(
             | jnp.where(pinned_low, HEALTH_PINNED_LOW, 0)
             | jnp.where(pinned_high & ~informative, HEALTH_NOTHING_MEASURED, 0)
         ).astype(jnp.int32)
-        return updates, AdaptiveScaleState(base, new_log2, new_amax, new_bad, health)
+        return updates, AdaptiveScaleState(base, new_log2, new_amax, new_bad, health,
+                                           state.structure)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

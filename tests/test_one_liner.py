@@ -9,6 +9,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import linen as nn
 
 import adaloss_jax as alj
@@ -81,3 +82,46 @@ def test_adaptive_scaled_skips_exactly():
     # The first step (nothing measured) is skipped exactly too: parameters unchanged.
     for a, b in zip(jax.tree_util.tree_leaves(hist[0][0]), jax.tree_util.tree_leaves(hist[1][0])):
         np.testing.assert_array_equal(a, b)
+
+
+class Wide(nn.Module):  # the same module names as MLP, other shapes
+    @nn.compact
+    def __call__(self, x):
+        x = nn.tanh(nn.Dense(32, dtype=jnp.float16)(x))
+        return nn.Dense(4, dtype=jnp.float16)(x)
+
+
+def test_state_statistics_or_gradients_of_another_model_are_refused():
+    params, loss_fn, x, y = _setup()
+    other = Wide().init(jax.random.key(1), x)["params"]
+    tx = alj.adaptive_scaled(optax.adamw(1e-2), alj.adaptive(groups="module"))
+    vg = alj.adaptive_value_and_grad(loss_fn, alj.adaptive(groups="module"))
+
+    def wide_loss(p, x, y, blow):
+        logits = Wide().apply({"params": p}, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() * blow
+
+    wide_vg = alj.adaptive_value_and_grad(wide_loss, alj.adaptive(groups="module"))
+    state, other_state = tx.init(params), tx.init(other)
+    one = jnp.float32(1.0)
+    with pytest.raises(ValueError, match="another model.*tx.init"):
+        jax.jit(vg)(other_state, params, x, y, one)
+    loss, grads, stats = jax.jit(vg)(state, params, x, y, one)
+    _, other_grads, other_stats = jax.jit(wide_vg)(other_state, other, x, y, one)
+    with pytest.raises(ValueError, match="gradients belong to another model"):
+        tx.update(other_grads, state, params, loss=loss, scale_stats=stats)
+    with pytest.raises(ValueError, match="scale_stats belong to another model"):
+        tx.update(grads, state, params, loss=loss, scale_stats=other_stats)
+    tx.update(grads, state, params, loss=loss, scale_stats=stats)  # the right ones pass
+
+
+def test_stock_flax_train_state_fails_with_an_error_naming_the_fix():
+    from flax.training import train_state
+
+    params, loss_fn, x, y = _setup()
+    for tx in (optax.chain(alj.adaptive_unscale(), optax.adamw(1e-2)),
+               alj.adaptive_scaled(optax.adamw(1e-2))):
+        state = train_state.TrainState.create(apply_fn=MLP().apply, params=params, tx=tx)
+        grads = jax.grad(loss_fn)(params, x, y, jnp.float32(1.0))
+        with pytest.raises(ValueError, match="adaloss_jax.flax.TrainState"):
+            state.apply_gradients(grads=grads)

@@ -63,6 +63,7 @@ isolates what per-layer scales add.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 import math
 import warnings
 from collections.abc import Callable
@@ -216,12 +217,19 @@ class AdaptiveScale:
 
 
 def adaptive(**kwargs) -> AdaptiveScale:
-    """Builds an :class:`AdaptiveScale` (keyword arguments as its attributes).
+    """Builds an :class:`AdaptiveScale` (keyword arguments as its attributes; the
+    signature shown by ``help`` and IDEs is :class:`AdaptiveScale`'s).
 
     >>> adaptive(statistic="gaussian", threshold=1e-3).margin
     4
     """
     return AdaptiveScale(**kwargs)
+
+
+adaptive.__signature__ = inspect.signature(AdaptiveScale).replace(
+    parameters=[p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+                for p in inspect.signature(AdaptiveScale).parameters.values()],
+    return_annotation="AdaptiveScale")
 
 
 class AdaptiveScaleState(NamedTuple):

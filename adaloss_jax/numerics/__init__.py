@@ -1,6 +1,7 @@
 """Numerics toolkit: underflow/overflow probes and simulated fp8 cotangents.
 
-See DESIGN.md section 4 for the definitions measured here.
+The quantities measured here are defined in :func:`tensor_stats` (underflow rate, subnormal
+share, overflow count, relative error, amax, headroom).
 """
 
 from adaloss_jax.numerics._fp8 import amax_scale, fp8_cotangents, quantize_cotangent

@@ -1,0 +1,111 @@
+"""Property: the pure-JAX front end (``alj.scale_group``) meets the checks of the linen,
+NNX and Equinox property tests on random graphs of plain functions: exact against fp32,
+no skipped step after warm-up, never more underflow than one global scale, every group
+the loss reaches scaled. Graphs: residuals, a group applied twice with keyword arguments,
+concatenation, a tied embedding read by the head, stacked layers under ``lax.scan``."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+from test_stream_property import _assert_within_rounding, _underflow
+
+import adaloss_jax as alj
+
+W, V, T, B = 8, 16, 6, 4
+OPS = ("dense", "residual", "reuse", "concat", "scan")
+
+
+def _dense(p, x, *, gate=1.0):
+    return jnp.tanh(x @ p["w"].astype(x.dtype) + p["b"].astype(x.dtype)) * gate
+
+
+def _init(ops):
+    keys = iter(jax.random.split(jax.random.key(0), 64))
+    layer = lambda din: {"w": jax.random.normal(next(keys), (din, W)) / din**0.5,
+                         "b": jnp.zeros((W,))}
+    params = {"embed": {"table": jax.random.normal(next(keys), (V, W))},
+              "shared": layer(W),
+              "stack": {"w": jax.random.normal(next(keys), (2, W, W)) / W**0.5,
+                        "b": jnp.zeros((2, W))}}
+    for i, op in enumerate(ops):
+        params[f"layer{i}"] = layer(2 * W if op == "concat" else W)
+    return params
+
+
+def _model(ops, dtype):
+    groups = {name: alj.scale_group(name)(_dense)
+              for name in ["shared", "stack"] + [f"layer{i}" for i in range(len(ops))]}
+    embed = alj.scale_group("embed")(lambda p, t: p["table"][t].astype(dtype))
+    head = alj.scale_group("embed")(lambda p, x: x @ p["table"].astype(dtype).T)  # tied
+
+    def apply(params, tokens):
+        x = embed(params["embed"], tokens)
+        for i, op in enumerate(ops):
+            p, f = params[f"layer{i}"], groups[f"layer{i}"]
+            if op == "dense":
+                x = f(p, x)
+            elif op == "residual":
+                x = x + f(p, x, gate=0.5)
+            elif op == "reuse":
+                s = groups["shared"]
+                x = s(params["shared"], x, gate=0.5) + s(params["shared"], x * 0.25, gate=2.0)
+            elif op == "concat":
+                x = f(p, jnp.concatenate([x, jnp.tanh(x)], axis=-1))
+            elif op == "scan":
+                x, _ = jax.lax.scan(lambda c, q: (c + groups["stack"](q, c), None), x,
+                                    params["stack"])
+        return head(params["embed"], x) * 4.0
+
+    return apply
+
+
+def _loss(ops, dtype, tiny=2.0**-16):
+    apply = _model(ops, dtype)
+
+    def loss_fn(params, tokens):
+        logits = apply(params, tokens[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean() * tiny
+
+    return loss_fn
+
+
+@settings(max_examples=3, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4))
+@example(ops=["scan", "reuse", "concat"])
+def test_random_pure_jax_graphs_exact_and_no_worse_than_global(ops):
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
+    params = _init(ops)
+    ref = jax.grad(_loss(ops, jnp.float32))(params, tokens)
+    loss16 = _loss(ops, jnp.float16)
+    results = {}
+    for groups in ("module", "global"):
+        scaler = alj.adaptive(groups=groups)
+        tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
+        vg = alj.adaptive_value_and_grad(loss16, scaler)
+
+        @jax.jit
+        def step(state, vg=vg, tx=tx):
+            loss, g, stats = vg(state, params, tokens)
+            updates, state = tx.update(g, state, params, loss=loss, scale_stats=stats)
+            return updates, state, g
+
+        state = tx.init(params)
+        for t in range(3 + 20):
+            updates, state, scaled = step(state)
+            if t >= 3:
+                assert bool(alj.adaptive_state(state).base.last_applied), (ops, groups, t)
+        results[groups] = (updates, scaled, alj.adaptive_state(state))
+    updates, scaled, ad = results["module"]
+    _assert_within_rounding(updates, results["global"][0], ref, ops)
+    for a, b in zip(_underflow(scaled, ref), _underflow(results["global"][1], ref)):
+        assert a <= b + 1e-3, ops
+    reached = {f"layer{i}" for i, op in enumerate(ops) if op not in ("scan", "reuse")}
+    reached |= {"embed"} | ({"stack"} if "scan" in ops else set())
+    reached |= {"shared"} if "reuse" in ops else set()
+    assert reached <= {g for g, v in ad.log2_scales.items() if v != 0}, ad.log2_scales

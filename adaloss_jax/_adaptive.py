@@ -558,7 +558,7 @@ def _combine(an: _Analysis, row_stats: list, limits: list, log2: dict, sigma: di
     si = {a: i for i, a in enumerate(sets)}
     ng, ns = len(groups), len(sets)
     fmt_max = scaler.format.max
-    used = {g: log2[g] for g in an.active}
+    used = {g: log2[g] for g in groups}
     if not an.rows:
         z = {g: jnp.zeros((), jnp.float32) for g in groups}
         hist = {g: jnp.zeros((_NBINS,), jnp.float32) for g in groups} if (
@@ -674,7 +674,9 @@ def adaptive_value_and_grad(
                  for x, y in zip(pp.x, pp.y)}
         pairs |= {((o,), u) for o, u in zip(_points.param_owners_for(
             jax.tree_util.tree_leaves(params), an.owners), an.plan.params) if u is not None}
-        sigma, ratios = _anchor_scales(log2, pairs)
+        # Sorted: every process of a multi-controller run must trace the same program,
+        # and set order follows each process's string hash seed.
+        sigma, ratios = _anchor_scales(log2, sorted(pairs))
         leaves, treedef = jax.tree_util.tree_flatten(params)
         cfg = _point_config(scaler)
         width = _points.width(cfg.hist_lo is not None)
@@ -827,10 +829,10 @@ def adaptive_unscale(
                 f"(state groups: {sorted(log2, key=_natural)[:8]}...); the state was built "
                 f"for another model: re-run tx.init(params) for this one"
             )
-        active = set(used)
+        active = sorted(used, key=_natural)  # a fixed order: the same program everywhere
         paths = _leaf_paths(updates)
         leaves, treedef = jax.tree_util.tree_flatten(updates)
-        leaf_groups = [_leaf_group(p, active, scaler) for p in paths]
+        leaf_groups = [_leaf_group(p, set(active), scaler) for p in paths]
 
         # Per-group amax (at the group's scale) and overflow of the parameter gradients.
         # One read per leaf: non-finite elements enter the max as inf (not max(|x|) alone:
@@ -879,7 +881,7 @@ def adaptive_unscale(
         # Recovery: after max_consecutive_skips skips in a row, blame has not fixed the
         # overflow; every group backs off, as one global scale would.
         escalate = state.base.notfinite_count >= scaler.max_consecutive_skips
-        for g in sorted(active, key=_natural):
+        for g in active:
             amax = amaxes[g]
             informative = informative | (amax > 0)
             # Non-finite gradients that no cotangent statistic explains: their groups.

@@ -33,8 +33,19 @@ from adaloss_jax.bench._steps import scaled_step  # noqa: E402
 SIZES = {  # name: (layers, d_model, heads, context, batch)
     "small": (4, 128, 4, 128, 16),  # the text-gpt model of the benchmarks
     "large": (6, 512, 8, 128, 8),
+    "gpu": (12, 768, 12, 256, 8),  # benchmarks/gpu_check.py (batch: set to a >= 50 ms step)
 }
 CONFIGS = ("dynamic", "adaptive-global", "adaptive")
+# Every configuration: compute dtype and scaling ("dynamic" is the baseline of the ratios).
+ALL_CONFIGS = {
+    "fp32": (jnp.float32, None),
+    "bf16": (jnp.bfloat16, None),
+    "dynamic": (jnp.float16, lambda: alj.dynamic()),
+    "adaptive-global": (jnp.float16, lambda: alj.adaptive(groups="global")),
+    "adaptive": (jnp.float16, lambda: alj.adaptive(groups="module")),
+    "e4m3-sim": (jnp.float16, lambda: alj.adaptive(groups="module", simulate=True,
+                                                   grad_dtype="float8_e4m3fn")),
+}
 HOST_PATTERNS = ("callback", "outfeed", "infeed", " send(", " recv(", "host_compute")
 
 
@@ -43,9 +54,9 @@ def build_step(config: str, model, params):
         logits = model.apply({"params": p}, batch[:, :-1]).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, batch[:, 1:]).mean()
 
-    scaling = alj.dynamic() if config == "dynamic" else alj.adaptive(
-        groups="global" if config == "adaptive-global" else "module")
-    tx, step = scaled_step(loss_fn, optax.adamw(1e-3), scaling)
+    make = ALL_CONFIGS[config][1]
+    tx, step = scaled_step(loss_fn, optax.adamw(1e-3),
+                           alj.no_scaling() if make is None else make())
     return tx, step
 
 
@@ -54,25 +65,27 @@ def host_round_trips(hlo_text: str) -> int:
 
 
 def measure(size: str, layers: int | None, rounds: int, steps: int,
-            compile_repeats: int = 3) -> list[dict]:
-    n_layers, d, heads, ctx, batch = SIZES[size]
-    n_layers = layers or n_layers
-    model = GPT(layers=n_layers, d_model=d, heads=heads, context=ctx, dtype=jnp.float16)
+            compile_repeats: int = 3, configs=CONFIGS, batch: int | None = None) -> list[dict]:
+    n_layers, d, heads, ctx, default_batch = SIZES[size]
+    n_layers, batch = layers or n_layers, batch or default_batch
     rng = np.random.default_rng(0)
     data = jnp.asarray(rng.integers(0, 256, size=(batch, ctx + 1)), jnp.int32)
-    params = model.init(jax.random.key(0), data[:, :-1])["params"]
+    models = {c: GPT(layers=n_layers, d_model=d, heads=heads, context=ctx,
+                     dtype=ALL_CONFIGS[c][0]) for c in configs}
+    params = models[configs[0]].init(jax.random.key(0), data[:, :-1])["params"]
     rows, runners, steps_of = [], {}, {}
-    for config in CONFIGS:
-        tx, step = build_step(config, model, params)
+    for config in configs:
+        tx, step = build_step(config, models[config], params)
         steps_of[config] = (tx.init(params), step)
         rows.append({"size": size, "layers": n_layers, "d_model": d, "config": config,
-                     "compile_times": [], "times": []})
+                     "batch": batch, "compile_times": [], "times": []})
+    model_of = models
     # Interleaved (ABCABC...) so that load from other processes hits every config alike.
     for _ in range(compile_repeats):
         for row in rows:
             opt_state, _ = steps_of[row["config"]]
             # A fresh step function each time: jax caches traces and executables by it.
-            _, step = build_step(row["config"], model, params)
+            _, step = build_step(row["config"], model_of[row["config"]], params)
             t0 = time.perf_counter()
             compiled = jax.jit(step).lower(params, opt_state, data).compile()
             row["compile_times"].append(time.perf_counter() - t0)
@@ -95,7 +108,7 @@ def measure(size: str, layers: int | None, rounds: int, steps: int,
             jax.block_until_ready(loss)
             row["times"].append((time.perf_counter() - t0) / steps)
         print(f"  [{size} L={n_layers}] round {r + 1}/{rounds}", file=sys.stderr)
-    base = rows[0]
+    base = next((r for r in rows if r["config"] == "dynamic"), rows[0])
     for row in rows:
         row["step_ms"] = 1e3 * statistics.median(row["times"])
         row["step_ratio"] = row["step_ms"] / (1e3 * statistics.median(base["times"]))
@@ -112,7 +125,13 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
     parser.add_argument("--compile-repeats", type=int, default=3)
+    parser.add_argument("--configs", default=",".join(CONFIGS),
+                        help=f"comma list of {list(ALL_CONFIGS)}")
     args = parser.parse_args(argv)
+    configs = tuple(c for c in args.configs.split(",") if c)
+    for c in configs:
+        if c not in ALL_CONFIGS:
+            parser.error(f"unknown config {c!r}; valid: {', '.join(ALL_CONFIGS)}")
     sizes = [s for s in args.sizes.split(",") if s]
     for s in sizes:
         if s not in SIZES:
@@ -127,7 +146,7 @@ def main(argv=None) -> int:
     for size in sizes:
         for layers in layer_list:
             for r in measure(size, layers, args.rounds, args.steps,
-                                 args.compile_repeats):
+                             args.compile_repeats, configs):
                 print(f"{r['size']:<6} {r['layers']:>6} {r['d_model']:>4} {r['config']:<16} "
                       f"{r['step_ms']:>8.1f} {r['step_ratio']:>6.3f} {r['compile_s']:>9.2f} "
                       f"{r['compile_ratio']:>6.2f} {r['temp_bytes'] / 2**20:>9.1f} "

@@ -192,6 +192,8 @@ def _plain_state(tree: Any) -> Any:
     except ImportError:  # no flax: no NNX variables either
         return tree
     is_var = lambda x: isinstance(x, nnx.Variable)
+    if not any(is_var(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_var)):
+        return tree
     return jax.tree_util.tree_map(lambda x: x.get_value() if is_var(x) else x, tree,
                                   is_leaf=is_var)
 

@@ -9,23 +9,15 @@ from __future__ import annotations
 
 import sys
 
-out, pid, nproc, port = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import linen as nn
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
 
-import jax  # noqa: E402
-
-if nproc > 1:
-    jax.config.update("jax_cpu_collectives_implementation", "gloo")
-    jax.distributed.initialize(coordinator_address=f"localhost:{port}", num_processes=nproc,
-                               process_id=pid, initialization_timeout=120)
-
-import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
-import optax  # noqa: E402
-from flax import linen as nn  # noqa: E402
-from jax.sharding import NamedSharding  # noqa: E402
-from jax.sharding import PartitionSpec as P  # noqa: E402
-
-import adaloss_jax as alj  # noqa: E402
+import adaloss_jax as alj
 
 STEPS, BATCH = 4, 32
 
@@ -43,7 +35,12 @@ def loss_fn(params, x, y):
     return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() * 2.0**-20
 
 
-def main():
+def main(out, pid, nproc, port):
+    if nproc > 1:  # before any computation: jax's backends start on first use
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+        jax.distributed.initialize(coordinator_address=f"localhost:{port}",
+                                   num_processes=nproc, process_id=pid,
+                                   initialization_timeout=120)
     mesh = jax.make_mesh((jax.device_count(),), ("data",))
     rep, data = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     rng = np.random.default_rng(0)
@@ -91,4 +88,5 @@ def main():
         jax.distributed.shutdown()
 
 
-main()
+if __name__ == "__main__":
+    main(sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4])

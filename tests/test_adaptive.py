@@ -95,7 +95,9 @@ def _rel_err(a, b):
     return float(jnp.linalg.norm(a - b) / jnp.maximum(jnp.linalg.norm(b), 1e-30))
 
 
-@pytest.mark.parametrize("name", ["mlp", "unet_concat", "gpt_tied_reused_attention"])
+# The GPT case (tied embedding, reused block, attention) is covered on random graphs by
+# tests/test_stream_property.py, which asserts the same per leaf.
+@pytest.mark.parametrize("name", ["mlp", "unet_concat"])
 def test_fp16_model_within_fp16_rounding_of_fp32(name):
     """Per leaf, the adaptive gradient is within fp16 rounding of fp32, or no worse than
     dynamic global scaling where the fp16 forward pass itself is the limit (the key bias

@@ -5,21 +5,18 @@ leave them and the optimizer's state exactly as they were."""
 
 from __future__ import annotations
 
+import functools
+
+import _models
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
-from flax import linen as nn
 
 import adaloss_jax as alj
 
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.tanh(nn.Dense(16, dtype=jnp.float16)(x))
-        return nn.Dense(4, dtype=jnp.float16)(x)
+MLP = functools.partial(_models.MLP, depth=1)  # fp16 compute, Dense_0 and Dense_1
 
 
 def _setup():
@@ -84,11 +81,7 @@ def test_adaptive_scaled_skips_exactly():
         np.testing.assert_array_equal(a, b)
 
 
-class Wide(nn.Module):  # the same module names as MLP, other shapes
-    @nn.compact
-    def __call__(self, x):
-        x = nn.tanh(nn.Dense(32, dtype=jnp.float16)(x))
-        return nn.Dense(4, dtype=jnp.float16)(x)
+Wide = functools.partial(_models.MLP, depth=1, width=32)  # MLP's module names, other shapes
 
 
 def test_state_statistics_or_gradients_of_another_model_are_refused():

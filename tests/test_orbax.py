@@ -4,22 +4,19 @@ CheckpointManager, and training resumes bit-identically."""
 
 from __future__ import annotations
 
+import functools
+
+import _models
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
-from flax import linen as nn
 
 import adaloss_jax as alj
 from adaloss_jax.flax import TrainState, train_step
 
-
-class MLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.tanh(nn.Dense(16, dtype=jnp.float16)(x))
-        return nn.Dense(4, dtype=jnp.float16)(x)
+MLP = functools.partial(_models.MLP, depth=1)  # fp16 compute, Dense_0 and Dense_1
 
 
 def _setup():

@@ -163,6 +163,27 @@ def _assert_within_rounding(grads, global_grads, ref, ops) -> None:
         assert err <= max(0.1, 2.0 * _rel_err(gg, r)), (ops, jax.tree_util.keystr(path), err)
 
 
+def assert_conformance(step, state, results, groups, ref, ops, reached) -> None:
+    """The front-end conformance checks: ``step(state) -> (updates, state, scaled)``
+    (jitted, one front end, one ``groups`` mode) applies every step after 3 warm-up steps
+    of 23; once both modes are in ``results`` (``{groups: (updates, scaled, adaptive
+    state)}``), per-module gradients
+    are within rounding of fp32, flush no more than global leaf by leaf, and every group
+    in ``reached`` has moved off its initial scale."""
+    for t in range(3 + 20):
+        updates, state, scaled = step(state)
+        if t >= 3:
+            assert bool(alj.adaptive_state(state).base.last_applied), (ops, groups, t)
+    results[groups] = (updates, scaled, alj.adaptive_state(state))
+    if set(results) != {"module", "global"}:
+        return
+    updates, scaled, ad = results["module"]
+    _assert_within_rounding(updates, results["global"][0], ref, ops)
+    for a, b in zip(_underflow(scaled, ref), _underflow(results["global"][1], ref)):
+        assert a <= b + 1e-3, ops
+    assert reached <= {g for g, v in ad.log2_scales.items() if v != 0}, ad.log2_scales
+
+
 def _underflow(scaled, ref) -> list[float]:
     return [float(np.sum((np.asarray(r) != 0) & (np.asarray(a) == 0)) / max(np.asarray(r).size, 1))
             for a, r in zip(jax.tree_util.tree_leaves(scaled), jax.tree_util.tree_leaves(ref))]

@@ -529,7 +529,13 @@ def _anchor_scales(log2: dict, pairs) -> tuple[dict, dict]:
 
     for x, y in pairs:
         sig(x), sig(y)
-    ratios = {(x, y): pow2(sigma[x] - sigma[y]) for x, y in pairs if x != y}
+    # S_x / S_y as a quotient of the two powers of two: exact, and XLA computes a
+    # division once, as its own small kernel, where it would copy ``pow2(sx - sy)`` (a
+    # few scalar ops and the min over each anchor set, which grows with depth along a
+    # residual stream) into every kernel that converts a cotangent. Those kernels then
+    # differ only in the buffer they read the ratio from, and identical kernels (one
+    # per layer) are compiled once: compile time stays linear in depth.
+    ratios = {(x, y): pow2(sigma[x]) / pow2(sigma[y]) for x, y in pairs if x != y}
     return sigma, ratios
 
 
@@ -772,18 +778,21 @@ def adaptive_unscale(
     hist_lo = e_min - _HIST_BELOW
 
     def _quantile_rule(hist, s_g, axis_name):
-        """The quantile rule's scale for a group (``+inf`` where it has no answer)."""
+        """The quantile rule's scale per group (``+inf`` where it has no answer), from
+        the groups' histograms ``hist`` (one row each) and scales ``s_g``."""
         hist = _reduce(hist, jax.lax.psum, axis_name)
-        below = jnp.concatenate([jnp.zeros((1,), jnp.float32), jnp.cumsum(hist)])
+        zero = jnp.zeros(hist.shape[:-1] + (1,), jnp.float32)
+        below = jnp.concatenate([zero, jnp.cumsum(hist, axis=-1)], axis=-1)
+        total = below[..., -1]
         # below[j] counts values under 2**(hist_lo + j) (at the group's scale s_g); the
         # largest j with below[j] <= T * n puts binade k at 2 u_min.
-        k = hist_lo + jnp.sum(below <= scaler.threshold * below[-1]) - 1
+        k = hist_lo + jnp.sum(below <= scaler.threshold * total[..., None], axis=-1) - 1
         s_q = (s_g + e_min + 1 - k).astype(jnp.float32)
         # k == e_min: more than T of the values sit in the lowest binade the format
         # holds, where values rounded up from below u_min land and under which flushed
         # ones vanish: the tail is cut off by an unknown amount, so no answer (the amax
         # rule alone sets the scale and the next step measures the whole tail).
-        return jnp.where((below[-1] > 0) & (k != e_min), s_q, jnp.inf)
+        return jnp.where((total > 0) & (k != e_min), s_q, jnp.inf)
 
     def init_fn(params):
         if not jax.tree_util.tree_leaves(params):
@@ -834,96 +843,107 @@ def adaptive_unscale(
         leaves, treedef = jax.tree_util.tree_flatten(updates)
         leaf_groups = [_leaf_group(p, set(active), scaler) for p in paths]
 
+        # Everything per group is computed on vectors over `active` (in that order): one
+        # reduction each for the facts that span all groups (the skip decision, the
+        # global floor), which XLA computes once. Written per group as chains of scalar
+        # ops, XLA copied each chain into every consumer's fusion (every group's new
+        # scale, every parameter leaf's skip select): HLO quadratic in depth, and most of
+        # the compile time.
+        ng = len(active)
+        gi = {g: i for i, g in enumerate(active)}
+
+        def vec(d, dtype):
+            if not active:
+                return jnp.zeros((0,), dtype)
+            return jnp.stack([jnp.asarray(d[g]).astype(dtype) for g in active])
+
         # Per-group amax (at the group's scale) and overflow of the parameter gradients.
         # One read per leaf: non-finite elements enter the max as inf (not max(|x|) alone:
         # XLA's CPU max reduction can drop a NaN), so p_amax is inf iff the group's
         # parameter gradients are not all finite.
-        p_amax = {g: jnp.zeros((), jnp.float32) for g in active}
         inv = {g: pow2(-used[g]) for g in sorted(set(leaf_groups))}
-        out = []
+        out, leaf_max = [], []
         for g, leaf in zip(leaf_groups, leaves):
             x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
             mag = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.asarray(jnp.inf, x.dtype))
-            p_amax[g] = jnp.maximum(p_amax[g], jnp.max(mag, initial=0.0))
+            leaf_max.append(jnp.max(mag, initial=0.0))
             out.append(x * inv[g])
         updates = jax.tree_util.tree_unflatten(treedef, out)
+        p_dtype = jnp.result_type(jnp.float32, *(m.dtype for m in leaf_max))
+        p_amax = jnp.zeros((ng,), p_dtype)
+        if leaf_max:  # a group without leaves keeps 0
+            p_amax = jnp.maximum(p_amax, jax.ops.segment_max(
+                jnp.stack(leaf_max).astype(p_dtype),
+                jnp.asarray([gi[g] for g in leaf_groups], jnp.int32), ng))
 
-        new_log2, new_amax, new_bad = dict(log2), dict(state.log2_amax), dict(state.overflowed)
+        used_v = vec(used, jnp.float32)
+        log2_v = vec(log2, jnp.float32)
+        prev_amax = vec(state.log2_amax, jnp.float32)
         # Consecutive overflows back off exponentially harder: backoff * 2**skips_in_a_row.
         drop = scaler.backoff * pow2(jnp.minimum(state.base.notfinite_count, 4))
         # Recompute from statistics when the applied steps so far are a multiple of
         # `interval`; backoffs and blind jumps happen on any step.
         recompute = state.base.total_applied % scaler.interval == 0
-        p_bad = {g: ~(a < jnp.inf) for g, a in p_amax.items()}
-        blamed_any = jnp.asarray(False)
-        for g in active:
-            blamed_any = blamed_any | scale_stats.bad[g]
-        nonfinite = scale_stats.nonfinite
-        for g in active:
-            nonfinite = nonfinite | p_bad[g]
+        p_bad = ~(p_amax < jnp.inf)
+        stats_bad = vec(scale_stats.bad, jnp.bool_)
+        blamed_any = jnp.any(stats_bad)
+        nonfinite = scale_stats.nonfinite | jnp.any(p_bad)
         grads_finite = ~(_reduce(nonfinite.astype(jnp.int32), jax.lax.pmax, axis_name) > 0)
-        informative = jnp.asarray(False)
-        pinned_low = jnp.asarray(False)
-        pinned_high = jnp.asarray(False)
-        amaxes = {
-            g: _reduce(jnp.maximum(scale_stats.amax[g], p_amax[g]), jax.lax.pmax, axis_name)
-            for g in active
-        }
+        amax = _reduce(jnp.maximum(vec(scale_stats.amax, jnp.float32), p_amax), jax.lax.pmax,
+                       axis_name)
         # The scale one global group would get from this step's amax: on a finite step no
         # group's scale goes below it, so a held peak never flushes more than global would.
-        unit_max = jnp.asarray(-jnp.inf, jnp.float32)
-        for g in active:
-            unit_max = jnp.maximum(unit_max, jnp.log2(amaxes[g]) - used[g])
-        use_floor = grads_finite & (unit_max > -jnp.inf) & (len(active) > 1)
+        unit_max = jnp.max(jnp.log2(amax) - used_v, initial=-jnp.inf)
+        use_floor = grads_finite & (unit_max > -jnp.inf) & (ng > 1)
         if scaler.interval > 1:
             use_floor = use_floor & recompute
         floor_log2 = jnp.where(use_floor, jnp.floor(log2_max - scaler.margin - unit_max), -jnp.inf)
         # Recovery: after max_consecutive_skips skips in a row, blame has not fixed the
         # overflow; every group backs off, as one global scale would.
         escalate = state.base.notfinite_count >= scaler.max_consecutive_skips
-        for g in active:
-            amax = amaxes[g]
-            informative = informative | (amax > 0)
-            # Non-finite gradients that no cotangent statistic explains: their groups.
-            bad = scale_stats.bad[g] | (p_bad[g] & ~blamed_any) | (escalate & ~grads_finite)
-            bad = _reduce(bad.astype(jnp.int32), jax.lax.pmax, axis_name) > 0
-            # A group that only received non-finite values keeps its scale.
-            hold = ~bad & ~(amax < jnp.inf)
-            unit_log2_amax = jnp.log2(amax) - used[g]  # -inf when nothing measured
-            if scaler.decay != math.inf:  # a peak held, sinking `decay` binades a step
-                unit_log2_amax = jnp.maximum(unit_log2_amax, state.log2_amax[g] - scaler.decay)
-            target = jnp.maximum(jnp.floor(log2_max - scaler.margin - unit_log2_amax), floor_log2)
-            if scaler.statistic == "gaussian":
-                sumsq = _reduce(scale_stats.sumsq[g], jax.lax.psum, axis_name)
-                count = _reduce(scale_stats.count[g], jax.lax.psum, axis_name)
-                unit_log2_sigma = 0.5 * jnp.log2(sumsq / jnp.maximum(count, 1.0)) - used[g]
-                # The smallest power of two the normal model says is enough (ceil: floor
-                # would allow up to 2T), never below 1 (the reference's alpha >= 1).
-                under = jnp.maximum(jnp.ceil(gauss_c - unit_log2_sigma), 0.0)
-                target = jnp.where(sumsq > 0, jnp.minimum(target, under), target)
-            if scaler.statistic == "quantile":
-                target = jnp.minimum(target, _quantile_rule(scale_stats.hist[g], used[g],
-                                                            axis_name))
-            # amax == 0: everything flushed (or no gradient at all). Every value was below
-            # u_min / 2, so jumping by `blind_jump` binades still cannot overflow.
-            grown = jnp.maximum(log2[g] + blind_jump, floor_log2)
-            if scaler.interval > 1:  # measured scales held between recomputations
-                target = jnp.where(recompute, target, log2[g])
-            nxt = jnp.where(bad, log2[g] - drop, jnp.where(amax > 0, target, grown))
-            nxt = jnp.where(hold, log2[g], nxt)
-            pinned_low = pinned_low | (bad & (log2[g] <= lo))
-            pinned_high = pinned_high | ((amax == 0) & (log2[g] >= hi))
-            new_log2[g] = jnp.clip(nxt, lo, hi).astype(jnp.float32)
-            new_amax[g] = jnp.where(bad | hold, new_amax[g], unit_log2_amax).astype(jnp.float32)
-            new_bad[g] = bad
+        informative = jnp.any(amax > 0)
+        # Non-finite gradients that no cotangent statistic explains: their groups.
+        bad = stats_bad | (p_bad & ~blamed_any) | (escalate & ~grads_finite)
+        bad = _reduce(bad.astype(jnp.int32), jax.lax.pmax, axis_name) > 0
+        # A group that only received non-finite values keeps its scale.
+        hold = ~bad & ~(amax < jnp.inf)
+        unit_log2_amax = jnp.log2(amax) - used_v  # -inf when nothing measured
+        if scaler.decay != math.inf:  # a peak held, sinking `decay` binades a step
+            unit_log2_amax = jnp.maximum(unit_log2_amax, prev_amax - scaler.decay)
+        target = jnp.maximum(jnp.floor(log2_max - scaler.margin - unit_log2_amax), floor_log2)
+        if scaler.statistic == "gaussian":
+            sumsq = _reduce(vec(scale_stats.sumsq, jnp.float32), jax.lax.psum, axis_name)
+            count = _reduce(vec(scale_stats.count, jnp.float32), jax.lax.psum, axis_name)
+            unit_log2_sigma = 0.5 * jnp.log2(sumsq / jnp.maximum(count, 1.0)) - used_v
+            # The smallest power of two the normal model says is enough (ceil: floor
+            # would allow up to 2T), never below 1 (the reference's alpha >= 1).
+            under = jnp.maximum(jnp.ceil(gauss_c - unit_log2_sigma), 0.0)
+            target = jnp.where(sumsq > 0, jnp.minimum(target, under), target)
+        if scaler.statistic == "quantile":
+            target = jnp.minimum(target, _quantile_rule(vec(scale_stats.hist, jnp.float32),
+                                                        used_v, axis_name))
+        # amax == 0: everything flushed (or no gradient at all). Every value was below
+        # u_min / 2, so jumping by `blind_jump` binades still cannot overflow.
+        grown = jnp.maximum(log2_v + blind_jump, floor_log2)
+        if scaler.interval > 1:  # measured scales held between recomputations
+            target = jnp.where(recompute, target, log2_v)
+        nxt = jnp.where(bad, log2_v - drop, jnp.where(amax > 0, target, grown))
+        nxt = jnp.where(hold, log2_v, nxt)
+        pinned_low = jnp.any(bad & (log2_v <= lo))
+        pinned_high = jnp.any((amax == 0) & (log2_v >= hi))
+        new_log2_v = jnp.clip(nxt, lo, hi).astype(jnp.float32)
+        new_amax_v = jnp.where(bad | hold, prev_amax, unit_log2_amax).astype(jnp.float32)
 
         loss_finite = (
             jnp.asarray(True) if loss is None else _transforms.all_finite(loss, axis_name=axis_name)
         )
         # A non-finite loss (forward overflow) is no reason to move any scale.
-        new_log2 = {
-            g: jnp.where(loss_finite, v, log2[g]) for g, v in new_log2.items()
-        }
+        new_log2_v = jnp.where(loss_finite, new_log2_v, log2_v)
+        new_log2, new_amax, new_bad = dict(log2), dict(state.log2_amax), dict(state.overflowed)
+        for g, i in gi.items():
+            new_log2[g] = new_log2_v[i]
+            new_amax[g] = new_amax_v[i]
+            new_bad[g] = bad[i]
         # A step where everything flushed to zero carries no information: skip it (the
         # blind jump above has already raised the scales).
         base = _policies._count(state.base, grads_finite & informative, loss_finite)

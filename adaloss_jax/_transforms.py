@@ -31,6 +31,26 @@ from adaloss_jax import _policies
 from adaloss_jax._policies import LossScaleState
 
 
+def all_of(flags: Sequence[jax.Array]) -> jax.Array:
+    """The AND of boolean scalars, computed once in the compiled program.
+
+    Not ``f0 & f1 & ...`` (nor a reduction of their stack, which XLA rewrites into that
+    chain): XLA copies a chain of scalar ops into every fusion that reads its result,
+    and a skip decision is read once per parameter leaf (its ``where``), so the program
+    grew quadratically with the number of leaves, and the fusions, each with its own
+    copy, could no longer share compiled kernels. A scatter into one slot is computed
+    once and read as a scalar.
+    """
+    flags = [jnp.asarray(f, jnp.bool_) for f in flags]
+    if not flags:
+        return jnp.asarray(True)
+    if len(flags) == 1:
+        return flags[0]
+    v = jnp.stack(flags).astype(jnp.int32)
+    return jax.ops.segment_min(v, jnp.zeros(v.shape, jnp.int32), 1,
+                               indices_are_sorted=True)[0] > 0
+
+
 def all_finite(tree: Any, *, axis_name: str | None = None) -> jax.Array:
     """True iff every element of every leaf is finite (on every device of ``axis_name``).
 
@@ -38,9 +58,7 @@ def all_finite(tree: Any, *, axis_name: str | None = None) -> jax.Array:
     ``jit`` the arrays are global and nothing extra is needed.
     """
     leaves = jax.tree_util.tree_leaves(tree)
-    ok = jnp.asarray(True)
-    for leaf in leaves:
-        ok = jnp.logical_and(ok, jnp.all(jnp.isfinite(leaf)))
+    ok = all_of([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
     if axis_name is not None:
         ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
     return ok
@@ -65,10 +83,7 @@ def is_skip_signal(tree: Any) -> jax.Array:
     leaves = jax.tree_util.tree_leaves(tree)
     if not leaves:
         return jnp.asarray(False)
-    out = jnp.asarray(True)
-    for x in leaves:
-        out = out & jnp.all((x == 0) & jnp.signbit(x))
-    return out
+    return all_of([jnp.all((x == 0) & jnp.signbit(x)) for x in leaves])
 
 
 def _to_fp32(g: jax.Array) -> jax.Array:

@@ -112,8 +112,8 @@ class AdaptiveScale:
         step (``held = max(amax, held_prev - decay)``), so a scale rises slowly after a
         spike while a larger amax lowers it at once: headroom for gradients that jump
         between steps, which a narrow format's small margin cannot give. ``math.inf``:
-        this step's amax alone. Default (``None``): 1/16 with ``groups="module"`` and a
-        format spanning fewer than 30 binades, else ``math.inf``.
+        this step's amax alone. Default (``None``): 1/16 with ``groups="module"``, else
+        ``math.inf``.
       grad_dtype: the format cotangents are stored in (``u_min``/``u_max`` come from it).
       groups: ``"global"`` (default: one statistics-driven scale for everything,
         measured at every module boundary) or ``"module"`` (one scale per module that
@@ -176,12 +176,12 @@ class AdaptiveScale:
             object.__setattr__(self, "margin", 4 if wide else 2)
         _validation.check_int("margin", self.margin, minimum=0)
         if self.decay is None:
-            fmt = self.format
-            wide = math.log2(fmt.max / fmt.min_subnormal) >= 30
             # Measured: per-layer scales at depth see gradients jump between steps and
-            # need the held peak; one global scale, set by the largest layer, does not,
-            # and the peak only costs it underflow (docs/results.md section 6).
-            held = not wide and self.groups == "module"
+            # need the held peak, in every format (without it, an fp16 or e5m2 8-layer
+            # sigmoid stack skipped 30-60% of its steps, docs/results.md section 8); one
+            # global scale, set by the largest layer, does not, and the peak only costs
+            # it underflow (section 6).
+            held = self.groups == "module"
             object.__setattr__(self, "decay", 0.0625 if held else math.inf)
         if not (isinstance(self.decay, int | float) and self.decay > 0):
             raise ValueError(f"decay must be a positive number of binades (or math.inf), "

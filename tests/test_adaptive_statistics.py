@@ -167,7 +167,9 @@ def test_interval_closed_form_loop():
     once (the other groups follow the same F-step rhythm)."""
     F, backoff = 3, 2
     params = {"params": {k: {"w": jnp.zeros((3,))} for k in "ab"}}
-    scaler = alj.adaptive(groups="module", interval=F, backoff=backoff, margin=MARGIN)
+    # decay=inf: this step's amax alone (the held peak has a test of its own).
+    scaler = alj.adaptive(groups="module", interval=F, backoff=backoff, margin=MARGIN,
+                          decay=math.inf)
     tx = alj.adaptive_unscale(scaler)
     update = jax.jit(functools.partial(tx.update, params=None))
     state = tx.init(params)
@@ -236,7 +238,8 @@ def test_held_peak_sinks_by_decay_per_step_above_the_global_floor(root_unit):
 
 @pytest.mark.parametrize("dtype,groups,decay", [
     ("float8_e4m3fn", "module", 0.0625), ("float8_e4m3fn", "global", math.inf),
-    ("float16", "module", math.inf)])
+    ("float16", "module", 0.0625), ("float8_e5m2", "module", 0.0625),
+    ("float16", "global", math.inf)])
 def test_default_decay(dtype, groups, decay):
     assert alj.adaptive(grad_dtype=dtype, groups=groups).decay == decay
 

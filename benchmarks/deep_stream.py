@@ -32,25 +32,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax import linen as nn
 
 import adaloss_jax as alj
-from adaloss_jax.bench import _data
+from adaloss_jax.bench import _data, _models
 from adaloss_jax.bench._steps import scaled_step
 
-
-class SigmoidStack(nn.Module):
-    depth: int
-    width: int = 128
-    classes: int = 10
-    dtype: object = jnp.float16
-
-    @nn.compact
-    def __call__(self, x):
-        x = x.astype(self.dtype)
-        for _ in range(self.depth):
-            x = nn.sigmoid(nn.Dense(self.width, dtype=self.dtype)(x))
-        return nn.Dense(self.classes, dtype=self.dtype)(x)
+# The bench's fmnist-sigmoid model (flax's default initialisation, no normalisation).
+SigmoidStack = _models.SigmoidMLP
 
 
 def xent_loss(model):

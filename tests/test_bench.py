@@ -19,8 +19,8 @@ def small_gpt(monkeypatch):
     """code-gpt with a one-block d=32 GPT, so that the compiles stay short."""
     task = dataclasses.replace(
         _tasks.TASKS["code-gpt"],
-        make_model=lambda dtype: _models.GPT(layers=1, d_model=32, heads=2, context=64,
-                                             dtype=dtype),
+        make_model=lambda dtype, dg: _models.GPT(layers=1, d_model=32, heads=2, context=64,
+                                                 dtype=dtype, dot_general_cls=dg),
         settings="test-gpt-1x32")
     monkeypatch.setitem(_tasks.TASKS, "code-gpt", task)
     return task
@@ -92,6 +92,49 @@ def test_interrupted_bench_keeps_finished_runs(small_gpt, tmp_path, monkeypatch)
     assert code == 130
     assert [r["seed"] for r in _lines(os.path.join(out, "runs.jsonl"))] == [0]
     assert "| fp32 | 1 |" in open(os.path.join(out, "report.md")).read()
+
+
+def test_flax_fp8_peer_trains_with_its_own_scaling_state(small_gpt):
+    """flax's Fp8DotGeneralOp in every Dense: its scales and amax histories are updated
+    from their "gradients" each step, and its e5m2 gradient scale adapts to the tiny
+    regime by itself, so few gradients flush without any loss scaling."""
+    runner = _runner.Runner(small_gpt, _configs.CONFIGS["fp8-flax"], "tiny", 3)
+    carry = runner.init(0)
+    fp8 = carry[1][_runner.FP8_STATE]
+    scale0 = np.asarray(fp8["block_0"]["mlp"]["fc1"]["FlaxFp8Dot_0"]["output_grad_scale"])
+    batch = small_gpt.batches(0, 3)
+    for i in range(3):
+        carry = runner.step(carry, batch(i))[0]
+    fc1 = carry[1][_runner.FP8_STATE]["block_0"]["mlp"]["fc1"]["FlaxFp8Dot_0"]
+    history = np.asarray(fc1["output_grad_amax_history"])
+    # The cotangent's amax (about 2^-20 of an ordinary one) is recorded once the layers
+    # after fc1 pass a non-zero cotangent (delayed scaling: a step per layer), and the
+    # scale picked from the history replaced the initial 1.
+    assert 0 < history[0] < 2.0**-12 and np.count_nonzero(history) <= 2
+    assert scale0 == 1.0 and 0 < float(fc1["output_grad_scale"][0]) < 2.0**-30
+    row = runner.run(0)
+    assert row["skipped"] == 0 and not row["diverged"] and np.isfinite(row["quality"])
+    assert row["final_underflow"] < 0.05
+
+
+def test_deep_tasks_run_their_own_regime_and_configs():
+    plan = _cli.make_plan(_cli.parse_args(["--tasks", "fmnist-sigmoid,code-gpt"]))
+    assert plan[("fmnist-sigmoid", "tiny")] == list(_configs.DEPTH)
+    assert ("fmnist-sigmoid", "ordinary") not in plan
+    assert plan[("code-gpt", "ordinary")] == list(_configs.FULL["ordinary"])
+    assert "fp8-flax" in _configs.DEPTH and "fp8-flax" not in plan[("code-gpt", "tiny")]
+    # An explicit regime or config list wins over the task's own.
+    plan = _cli.make_plan(_cli.parse_args(["--tasks", "code-gpt-deep", "--regimes",
+                                           "ordinary", "--configs", "fp32"]))
+    assert plan == {("code-gpt-deep", "ordinary"): ["fp32"]}
+
+
+def test_probe_steps():
+    assert _runner.probe_steps(400) == [0, 1, 100, 200, 300, 399]
+    assert _runner.probe_steps(4) == [0, 1, 2, 3]
+    steps = _runner.probe_steps(3000, 12)
+    assert len(steps) == 12 and steps == sorted(steps) and steps[-1] == 2999
+    assert steps[:3] == [0, 1, 300]
 
 
 @pytest.mark.parametrize("argv, valid", [

@@ -18,8 +18,9 @@ from adaloss_jax.bench._progress import Progress
 EPILOG = """\
 examples:
   python -m adaloss_jax.bench --quick           # code-gpt, tiny regime, 6 configs, 3 seeds
-  python -m adaloss_jax.bench                   # the full suite (1-2 hours on 2 cores)
+  python -m adaloss_jax.bench                   # the full suite (about 3 hours on 2 cores)
   python -m adaloss_jax.bench --tasks fmnist-deep --regimes tiny --configs fp32,fp16-dynamic
+  python -m adaloss_jax.bench --tasks fmnist-sigmoid,code-gpt-deep   # where depth matters
   python -m adaloss_jax.bench --list            # tasks and configurations
 
 Results go to --out (default bench-results/): runs.jsonl (raw rows, one per run),
@@ -80,11 +81,16 @@ def make_plan(args) -> dict:
         _check_names("configs", configs, _configs.CONFIGS)
     plan = {}
     for t in tasks:
+        task = _tasks.TASKS[t]
         for r in regimes:
+            if not args.regimes and task.regimes is not None and r not in task.regimes:
+                continue  # a task's own regimes, unless asked for explicitly
             if args.configs:
                 plan[(t, r)] = configs
+            elif args.quick:
+                plan[(t, r)] = list(_configs.QUICK)
             else:
-                plan[(t, r)] = list(_configs.QUICK if args.quick else _configs.FULL[r])
+                plan[(t, r)] = list(task.configs or _configs.FULL[r])
     return plan
 
 

@@ -1,10 +1,14 @@
-"""The bench's Flax linen models: a byte-level GPT, a small ResNet, a deep plain MLP.
+"""The bench's Flax linen models: a byte-level GPT, a small ResNet, deep plain MLPs.
 
 Each takes ``dtype``, the compute dtype; parameters stay float32 (master weights), so the
-same definition serves every configuration with only the compute dtype switched.
+same definition serves every configuration with only the compute dtype switched. The GPT
+and the MLPs also take ``dot_general_cls``, handed to every ``nn.Dense`` (``None``: plain
+``lax.dot_general``); the fp8 peer configuration passes flax's ``Fp8DotGeneralOp`` there.
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import flax.linen as nn
 import jax
@@ -32,41 +36,48 @@ class Probs(nn.Module):
         return jax.nn.softmax(s, axis=-1).astype(scores.dtype)
 
 
+def _dense(features: int, dtype, dot_general_cls, **kwargs) -> nn.Dense:
+    return nn.Dense(features, dtype=dtype, dot_general_cls=dot_general_cls, **kwargs)
+
+
 class Attention(nn.Module):
     d_model: int
     heads: int
     dtype: jnp.dtype
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, x):
         b, t, _ = x.shape
-        qkv = nn.Dense(3 * self.d_model, dtype=self.dtype, name="qkv")(x)
+        qkv = _dense(3 * self.d_model, self.dtype, self.dot_general_cls, name="qkv")(x)
         q, k, v = jnp.split(qkv.reshape(b, t, 3 * self.heads, -1), 3, axis=2)
         p = Probs(name="probs")(Scores(name="scores")(q, k))
         o = jnp.einsum("bhqk,bkhd->bqhd", p, v).reshape(b, t, self.d_model)
-        return nn.Dense(self.d_model, dtype=self.dtype, name="proj")(o)
+        return _dense(self.d_model, self.dtype, self.dot_general_cls, name="proj")(o)
 
 
 class MLP(nn.Module):
     d_model: int
     dtype: jnp.dtype
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, x):
-        h = nn.Dense(4 * self.d_model, dtype=self.dtype, name="fc1")(x)
-        return nn.Dense(self.d_model, dtype=self.dtype, name="fc2")(nn.gelu(h))
+        h = _dense(4 * self.d_model, self.dtype, self.dot_general_cls, name="fc1")(x)
+        return _dense(self.d_model, self.dtype, self.dot_general_cls, name="fc2")(nn.gelu(h))
 
 
 class Block(nn.Module):
     d_model: int
     heads: int
     dtype: jnp.dtype
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, x):
-        x = x + Attention(self.d_model, self.heads, self.dtype, name="attn")(
-            nn.LayerNorm(dtype=self.dtype, name="ln1")(x))
-        return x + MLP(self.d_model, self.dtype, name="mlp")(
+        x = x + Attention(self.d_model, self.heads, self.dtype, self.dot_general_cls,
+                          name="attn")(nn.LayerNorm(dtype=self.dtype, name="ln1")(x))
+        return x + MLP(self.d_model, self.dtype, self.dot_general_cls, name="mlp")(
             nn.LayerNorm(dtype=self.dtype, name="ln2")(x))
 
 
@@ -78,6 +89,7 @@ class GPT(nn.Module):
     heads: int = 4
     context: int = 64
     dtype: jnp.dtype = jnp.float16
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, tokens):
@@ -85,7 +97,8 @@ class GPT(nn.Module):
         pos = self.param("pos", nn.initializers.normal(0.02), (self.context, self.d_model))
         x = embed(tokens) + pos[: tokens.shape[1]].astype(self.dtype)
         for i in range(self.layers):
-            x = Block(self.d_model, self.heads, self.dtype, name=f"block_{i}")(x)
+            x = Block(self.d_model, self.heads, self.dtype, self.dot_general_cls,
+                      name=f"block_{i}")(x)
         x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
         return embed.attend(x)  # logits in the compute dtype
 
@@ -153,6 +166,7 @@ class DeepMLP(nn.Module):
     classes: int = 10
     dtype: jnp.dtype = jnp.float16
     init_scheme: str = "he"
+    dot_general_cls: Any = None
 
     @nn.compact
     def __call__(self, x):
@@ -160,5 +174,26 @@ class DeepMLP(nn.Module):
         inits = {"he": nn.initializers.he_normal, "lecun": nn.initializers.lecun_normal}
         kinit = inits[self.init_scheme]()
         for _ in range(self.depth):
-            x = nn.relu(nn.Dense(self.width, dtype=self.dtype, kernel_init=kinit)(x))
-        return nn.Dense(self.classes, dtype=self.dtype)(x)
+            x = nn.relu(_dense(self.width, self.dtype, self.dot_general_cls,
+                               kernel_init=kinit)(x))
+        return _dense(self.classes, self.dtype, self.dot_general_cls)(x)
+
+
+class SigmoidMLP(nn.Module):
+    """``depth`` x (Dense(width) + sigmoid), no normalisation, then Dense(classes), flax's
+    default initialisation. Sigmoid's derivative (at most 1/4) shrinks the cotangent about
+    2 binades a layer, so the layers' gradient ranges spread wider than fp8's (and, deep
+    enough, fp16's) range."""
+
+    depth: int = 8
+    width: int = 128
+    classes: int = 10
+    dtype: jnp.dtype = jnp.float16
+    dot_general_cls: Any = None
+
+    @nn.compact
+    def __call__(self, x):
+        x = x.astype(self.dtype)
+        for _ in range(self.depth):
+            x = nn.sigmoid(_dense(self.width, self.dtype, self.dot_general_cls)(x))
+        return _dense(self.classes, self.dtype, self.dot_general_cls)(x)

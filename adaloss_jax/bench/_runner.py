@@ -23,6 +23,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+from flax.linen import fp8_ops
 from flax.training.dynamic_scale import DynamicScale
 
 import adaloss_jax as alj
@@ -35,9 +36,23 @@ TINY_SHIFT = 20
 REGIMES = ("tiny", "ordinary")
 
 
-def probe_steps(steps: int) -> list[int]:
-    """The steps whose gradients are probed: the first two, then quarters, the last."""
-    return sorted({0, 1, steps // 4, steps // 2, 3 * steps // 4, steps - 1})
+def probe_steps(steps: int, n: int = 6) -> list[int]:
+    """The steps whose gradients are probed: the first two, then ``n - 2`` evenly spaced
+    over the run, the last step last (``n=6``: quarters)."""
+    even = {steps * k // (n - 2) for k in range(1, n - 2)}
+    return sorted({0, 1, steps - 1} | {s for s in even if 0 <= s < steps})
+
+
+# flax keeps Fp8DotGeneralOp's scales and amax histories in this collection; their
+# "gradients" are their next values.
+FP8_STATE = fp8_ops.OVERWRITE_WITH_GRADIENT
+
+
+class FlaxFp8Dot(fp8_ops.Fp8DotGeneralOp):
+    """flax's ``Fp8DotGeneralOp``, unchanged. A subclass only so that flax's deprecation
+    warning (it points to ``Fp8DirectDotGeneralOp``, which runs a real fp8 matmul) is not
+    printed at every trace: the quantize-dequantize form simulates fp8 the way
+    ``simulate=True`` does here, and runs on any backend."""
 
 
 def module_of(leaf: str) -> str:
@@ -59,7 +74,8 @@ def _reference(task: Task, regime: str):
 
         @jax.jit
         def compare(params, model_state, batch, grads):
-            ref = jax.grad(lambda p: task.loss(ref_model, p, model_state, batch)[0] * mult)(
+            plain = {k: v for k, v in model_state.items() if k != FP8_STATE}
+            ref = jax.grad(lambda p: task.loss(ref_model, p, plain, batch)[0] * mult)(
                 params)
             r, g = jax.tree_util.tree_leaves(ref), jax.tree_util.tree_leaves(grads)
             nz = jnp.stack([jnp.sum(a != 0) for a in r])
@@ -77,7 +93,9 @@ class Runner:
         if regime not in REGIMES:
             raise ValueError(f"unknown regime {regime!r}; choose from {', '.join(REGIMES)}")
         self.task, self.config, self.regime, self.steps = task, config, regime, steps
-        self.model = model = task.model(config.dtype)
+        kind = config.kind
+        self.model = model = task.model(config.dtype,
+                                        FlaxFp8Dot if kind == "fp8-flax" else None)
         self.mult = mult = 2.0**-TINY_SHIFT if regime == "tiny" else 1.0
         inner = task.make_optimizer(steps)
         if regime == "tiny":  # undo the loss multiplier after unscaling: fp32 unchanged
@@ -87,8 +105,7 @@ class Runner:
             loss, new_state = task.loss(model, params, model_state, batch)
             return loss * mult, new_state
 
-        kind = config.kind
-        if kind == "flax":
+        if kind in ("flax", "fp8-flax"):
             tx = inner
         elif kind in ("policy", "adaptive"):
             scaling = config.policy() if kind == "policy" else config.scaler()
@@ -101,6 +118,15 @@ class Runner:
         def grads_of(carry, batch):
             """``(loss, new model state, gradients, update kwargs, flax scale, finite)``."""
             params, model_state, opt_state, ds = carry
+            if kind == "fp8-flax":  # no loss scaling: flax scales each dense layer itself
+                rest = {k: v for k, v in model_state.items() if k != FP8_STATE}
+
+                def with_fp8(p, fp8):
+                    return loss_fn(p, {**rest, FP8_STATE: fp8}, batch)
+
+                (loss, new_state), (grads, fp8) = jax.value_and_grad(
+                    with_fp8, argnums=(0, 1), has_aux=True)(params, model_state[FP8_STATE])
+                return loss, {**new_state, FP8_STATE: fp8}, grads, {}, ds, jnp.bool_(True)
             if kind == "flax":
                 ds, finite, (loss, new_state), grads = ds.value_and_grad(
                     loss_fn, has_aux=True)(params, model_state, batch)
@@ -113,7 +139,9 @@ class Runner:
             loss, new_state, grads, kw, ds, finite = grads_of(carry, batch)
             updates, new_opt = tx.update(grads, opt_state, params, **kw)
             new_params = optax.apply_updates(params, updates)
-            if kind == "flax":
+            if kind == "fp8-flax":  # nothing skips a step
+                applied, log2 = finite, jnp.float32(0.0)
+            elif kind == "flax":
                 applied = finite
                 new_params = alj.select_tree(finite, new_params, params)
                 new_opt = alj.select_tree(finite, new_opt, opt_state)
@@ -163,7 +191,7 @@ class Runner:
         carry = self.init(seed)
         names = ["/".join(p) for p in _adaptive._leaf_paths(carry[0])]
         batch = self.task.batches(seed, steps)
-        probes_at = set(probe_steps(steps))
+        probes_at = set(probe_steps(steps, self.task.probes))
         probes, outs = [], []
         probe_time, t_first, t1 = 0.0, 0.0, 0.0
         t0 = time.perf_counter()

@@ -5,13 +5,22 @@ task               model and data                                              q
 =================  ==========================================================  ===========
 ``code-gpt``       byte GPT (2 pre-LN blocks, d=64, tied embedding) on the      bits/byte
                    Python standard library's source (always present)            (held out)
+``code-gpt-deep``  the same GPT with 8 blocks, same data; tiny regime only      bits/byte
 ``text-gpt``       the same GPT on the Python docs' reStructuredText sources    bits/byte
                    (Debian ``python3-doc``)
 ``fmnist-resnet``  small ResNet with BatchNorm (stride-2 stem, 8-16-32 ch.)    test
                    on Fashion-MNIST (Debian ``dataset-fashion-mnist``)          accuracy
 ``fmnist-deep``    plain 16 x 256 ReLU MLP, no normalisation, on Fashion-MNIST  test
                    (per-layer gradient magnitudes spread widely)                accuracy
+``fmnist-sigmoid`` plain 8 x 128 sigmoid MLP, no normalisation, on              test
+                   Fashion-MNIST: the layers' gradient ranges spread ~2         accuracy
+                   binades a layer, wider than fp8's range; tiny regime only
 =================  ==========================================================  ===========
+
+The two deep tasks (``code-gpt-deep``, ``fmnist-sigmoid``) are where per-layer scales
+matter; by default they run the configurations of ``_configs.DEPTH`` (fp32, bf16, fp16
+dynamic, adaptive global and per-layer, e4m3 and e5m2 cotangents global and per-layer,
+and flax's fp8 peer) with more probe steps, for the underflow heat maps.
 
 Splits are fixed (split seed 0); the training seed sets the initialisation and the order
 of the batches, the same for every configuration.
@@ -30,6 +39,7 @@ import numpy as np
 import optax
 
 from adaloss_jax.bench import _data, _models
+from adaloss_jax.bench._configs import DEPTH as DEPTH_CONFIGS
 
 
 @dataclasses.dataclass
@@ -42,10 +52,13 @@ class Task:
     higher_is_better: bool
     steps: int  # training steps of a full run
     quick_steps: int  # training steps under --quick
-    make_model: Callable[[Any], Any]
+    make_model: Callable[[Any, Any], Any]  # (compute dtype, dot_general_cls) -> model
     make_optimizer: Callable[[int], optax.GradientTransformation]  # of the run's steps
     loader: Callable[[], dict]
     settings: str  # what identifies a result (model, batch, optimizer): part of a row's key
+    probes: int = 6  # probed steps per run (underflow per module)
+    regimes: tuple[str, ...] | None = None  # the suite's regimes for it (None: all)
+    configs: tuple[str, ...] | None = None  # the suite's configs (None: the regime's set)
     _data: dict | None = dataclasses.field(default=None, repr=False)
 
     @property
@@ -62,8 +75,8 @@ class Task:
             return str(e)
         return None
 
-    def model(self, dtype):
-        return self.make_model(dtype)
+    def model(self, dtype, dot_general_cls=None):
+        return self.make_model(dtype, dot_general_cls)
 
     def init(self, model, seed: int):
         """``(params, model_state)``: model_state holds BatchNorm statistics, if any."""
@@ -92,6 +105,7 @@ def _xent(logits, labels):
 # ------------------------------------------------------------------------ byte GPTs
 
 GPT_SHAPE = {"layers": 2, "d_model": 64, "heads": 4, "context": 64}
+DEEP_GPT_SHAPE = {**GPT_SHAPE, "layers": 8}
 GPT_BATCH = 16
 GPT_VAL_BATCHES = 16
 
@@ -103,8 +117,9 @@ def _gpt_loader(files_fn: Callable[[], list[str]]):
         val_batches = jnp.asarray(_data.byte_batches(val, GPT_BATCH, ctx, GPT_VAL_BATCHES,
                                                      seed=12345))
 
+        # model_state: variables other than params (flax's fp8 scaling state, if any).
         def loss(model, params, model_state, batch):
-            logits = model.apply({"params": params}, batch[:, :-1])
+            logits = model.apply({"params": params, **model_state}, batch[:, :-1])
             return _xent(logits, batch[:, 1:]), model_state
 
         def batches(seed, steps):
@@ -115,7 +130,8 @@ def _gpt_loader(files_fn: Callable[[], list[str]]):
             @jax.jit
             def ev(params, model_state):
                 def one(b):
-                    return _xent(model.apply({"params": params}, b[:, :-1]), b[:, 1:])
+                    logits = model.apply({"params": params, **model_state}, b[:, :-1])
+                    return _xent(logits, b[:, 1:])
                 nats = jnp.mean(jax.lax.map(one, val_batches))
                 bpb = nats / math.log(2)
                 return {"quality": bpb, "eval_loss": bpb}
@@ -130,14 +146,15 @@ def _gpt_loader(files_fn: Callable[[], list[str]]):
     return load
 
 
-def _gpt_task(name, description, files_fn, steps, quick_steps) -> Task:
+def _gpt_task(name, description, files_fn, steps, quick_steps, shape=GPT_SHAPE,
+              **kwargs) -> Task:
     return Task(
         name=name, description=description, metric="bits/byte", higher_is_better=False,
         steps=steps, quick_steps=quick_steps,
-        make_model=lambda dtype: _models.GPT(**GPT_SHAPE, dtype=dtype),
+        make_model=lambda dtype, dg: _models.GPT(**shape, dtype=dtype, dot_general_cls=dg),
         make_optimizer=lambda steps: optax.adamw(2e-3, weight_decay=0.01),
         loader=_gpt_loader(files_fn),
-        settings=f"gpt{GPT_SHAPE}-b{GPT_BATCH}-adamw2e-3",
+        settings=f"gpt{shape}-b{GPT_BATCH}-adamw2e-3", **kwargs,
     )
 
 
@@ -213,7 +230,7 @@ TASKS: dict[str, Task] = {
             name="fmnist-resnet",
             description="small ResNet with BatchNorm on Fashion-MNIST",
             metric="accuracy", higher_is_better=True, steps=300, quick_steps=100,
-            make_model=lambda dtype: _models.ResNet(dtype=dtype),
+            make_model=lambda dtype, dg: _models.ResNet(dtype=dtype),
             make_optimizer=lambda steps: optax.adamw(2e-3, weight_decay=1e-4),
             loader=_fmnist_loader((28, 28, 1), train_flag=True),
             settings=f"resnet-s2-8-16-32-b{FMNIST_BATCH}-adamw2e-3",
@@ -222,13 +239,28 @@ TASKS: dict[str, Task] = {
             name="fmnist-deep",
             description="plain 16 x 256 ReLU MLP (no normalisation) on Fashion-MNIST",
             metric="accuracy", higher_is_better=True, steps=400, quick_steps=200,
-            make_model=lambda dtype: _models.DeepMLP(dtype=dtype),
+            make_model=lambda dtype, dg: _models.DeepMLP(dtype=dtype, dot_general_cls=dg),
             # Cosine decay to zero: the last steps settle, so the final accuracy is steady
             # enough to compare (with a constant rate, seeds' paired spread was 0.02-0.04).
             make_optimizer=lambda steps: optax.sgd(optax.cosine_decay_schedule(0.01, steps),
                                                    momentum=0.9),
             loader=_fmnist_loader((784,), train_flag=False),
             settings=f"mlp16x256he-b{FMNIST_BATCH}-sgd0.01cos-m0.9",
+        ),
+        _gpt_task("code-gpt-deep", "byte GPT with 8 blocks on the Python standard "
+                  "library's source", _data.stdlib_files, steps=300, quick_steps=150,
+                  shape=DEEP_GPT_SHAPE, probes=10, regimes=("tiny",), configs=DEPTH_CONFIGS),
+        Task(
+            name="fmnist-sigmoid",
+            description="plain 8 x 128 sigmoid MLP (no normalisation) on Fashion-MNIST",
+            metric="accuracy", higher_is_better=True, steps=3000, quick_steps=1000,
+            make_model=lambda dtype, dg: _models.SigmoidMLP(dtype=dtype, dot_general_cls=dg),
+            # 3000 steps: sigmoid stacks sit on a plateau first; fp32 leaves it within
+            # 1000 steps on some seeds only, within 3000 on every seed tried.
+            make_optimizer=lambda steps: optax.adam(1e-3),
+            loader=_fmnist_loader((784,), train_flag=False),
+            settings=f"sigmoid8x128-b{FMNIST_BATCH}-adam1e-3",
+            probes=12, regimes=("tiny",), configs=DEPTH_CONFIGS,
         ),
     )
 }

@@ -41,9 +41,11 @@ How it works (all inside one ``jax.jit``):
                  the n_k non-zero cotangents measured for k (none if the tail is cut off)
         s_k    = s_{k, previous}  on steps where total_applied % interval != 0
         s_k    = s_k - backoff * 2**n if an overflow started at group k's scale, after n
-                                      consecutive skipped steps (n capped at 4); a group that
-                                      only received non-finite values holds its scale, until
-                                      n >= max_consecutive_skips: then every group backs off
+                                      consecutive skipped steps (n capped at 4) if k also
+                                      overflowed at the previous step, else n = 0; a group
+                                      that only received non-finite values holds its scale,
+                                      until n >= max_consecutive_skips: then every group
+                                      backs off
         s_k    = s_k + blind_jump     if nothing was measured (all of it flushed to zero);
                  blind_jump = floor(log2(u_max) - margin - log2(u_min) - 1), which cannot
                  overflow what was below u_min / 2
@@ -879,8 +881,14 @@ def adaptive_unscale(
         used_v = vec(used, jnp.float32)
         log2_v = vec(log2, jnp.float32)
         prev_amax = vec(state.log2_amax, jnp.float32)
-        # Consecutive overflows back off exponentially harder: backoff * 2**skips_in_a_row.
-        drop = scaler.backoff * pow2(jnp.minimum(state.base.notfinite_count, 4))
+        # Consecutive overflows back off exponentially harder: backoff * 2**skips_in_a_row,
+        # for a group that overflowed at the previous step too. A group blamed for the
+        # first time backs off by `backoff` alone, however many steps other groups had
+        # skipped: else skips blaming one group after another dropped each newly blamed
+        # group by 16 * backoff (measured: docs/results.md section 8).
+        repeat = vec(state.overflowed, jnp.bool_)
+        drop = scaler.backoff * jnp.where(
+            repeat, pow2(jnp.minimum(state.base.notfinite_count, 4)), 1.0)
         # Recompute from statistics when the applied steps so far are a multiple of
         # `interval`; backoffs and blind jumps happen on any step.
         recompute = state.base.total_applied % scaler.interval == 0

@@ -261,6 +261,32 @@ def test_after_max_consecutive_skips_every_group_backs_off():
         _, state = update(params, state, scale_stats=known_stats(state, rows))
         b_scales.append(float(state.log2_scales["b"]))
     assert int(state.base.total_skipped) == 4
-    # b held for the first K skips, then backs off by backoff * 2**min(n, 4).
-    assert b_scales == [10.0, 10.0, 6.0, -2.0]
+    # b held for the first K skips, then backs off: by backoff the first time, by
+    # backoff * 2**min(n, 4) while it keeps overflowing (n: skips in a row).
+    assert b_scales == [10.0, 10.0, 9.0, 1.0]
     assert int(state.health) & HEALTH_SKIPPING
+
+
+def test_a_group_blamed_first_backs_off_by_backoff_alone():
+    """The harder backoff after consecutive skips is for a group that overflowed at the
+    previous step too. Skips in a row, each blaming another group, once dropped every
+    newly blamed group by backoff * 16 (an 8-block GPT with e4m3 cotangents skipped 69 of
+    300 steps, groups pushed to 2^-18); each now drops by backoff."""
+    groups = "abcd"
+    params = {"params": {k: {"w": jnp.zeros((3,))} for k in groups}}
+    scaler = alj.adaptive(groups="module", backoff=2)
+    tx = alj.adaptive_unscale(scaler)
+    update = jax.jit(functools.partial(tx.update, params=None))
+    state = tx.init(params)
+    state = state._replace(log2_scales={g: jnp.float32(20.0) for g in state.log2_scales})
+    for t, blamed in enumerate("abcdd"):
+        rows = {"": (1.0, 0.0, 8.0, False)}
+        for g in groups:
+            amax = math.inf if g == blamed else 2.0 ** (LOG2_MAX - MARGIN - 1)
+            rows[g] = (amax, 0.0, 8.0, g == blamed)
+        before = float(state.log2_scales[blamed])
+        _, state = update(params, state, scale_stats=known_stats(state, rows))
+        assert int(state.base.notfinite_count) == t + 1
+        # d overflows twice in a row: its second drop is backoff * 2**4 (5th skip).
+        expected = 2.0 * (2.0 ** min(t, 4) if t == 4 else 1.0)
+        assert before - float(state.log2_scales[blamed]) == expected, (t, blamed)

@@ -179,10 +179,10 @@ class AdaptiveScale:
         _validation.check_int("margin", self.margin, minimum=0)
         if self.decay is None:
             # Measured: per-layer scales at depth see gradients jump between steps and
-            # need the held peak, in every format (without it, an fp16 or e5m2 8-layer
-            # sigmoid stack skipped 30-60% of its steps, docs/results.md section 8); one
-            # global scale, set by the largest layer, does not, and the peak only costs
-            # it underflow (section 6).
+            # need the held peak, in every format (without it a layer's scale climbs
+            # straight back after an overflow: docs/results.md section 8); one global
+            # scale, set by the largest layer, does not, and the peak only costs it
+            # underflow (section 6).
             held = self.groups == "module"
             object.__setattr__(self, "decay", 0.0625 if held else math.inf)
         if not (isinstance(self.decay, int | float) and self.decay > 0):
@@ -885,7 +885,7 @@ def adaptive_unscale(
         # for a group that overflowed at the previous step too. A group blamed for the
         # first time backs off by `backoff` alone, however many steps other groups had
         # skipped: else skips blaming one group after another dropped each newly blamed
-        # group by 16 * backoff (measured: docs/results.md section 8).
+        # group by 16 * backoff (docs/results.md section 8).
         repeat = vec(state.overflowed, jnp.bool_)
         drop = scaler.backoff * jnp.where(
             repeat, pow2(jnp.minimum(state.base.notfinite_count, 4)), 1.0)

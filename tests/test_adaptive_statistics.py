@@ -270,8 +270,8 @@ def test_after_max_consecutive_skips_every_group_backs_off():
 def test_a_group_blamed_first_backs_off_by_backoff_alone():
     """The harder backoff after consecutive skips is for a group that overflowed at the
     previous step too. Skips in a row, each blaming another group, once dropped every
-    newly blamed group by backoff * 16 (an 8-block GPT with e4m3 cotangents skipped 69 of
-    300 steps, groups pushed to 2^-18); each now drops by backoff."""
+    newly blamed group by backoff * 16, so a run kept skipping (docs/results.md section 8);
+    each now drops by backoff."""
     groups = "abcd"
     params = {"params": {k: {"w": jnp.zeros((3,))} for k in groups}}
     scaler = alj.adaptive(groups="module", backoff=2)

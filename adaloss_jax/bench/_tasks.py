@@ -255,8 +255,8 @@ TASKS: dict[str, Task] = {
             description="plain 8 x 128 sigmoid MLP (no normalisation) on Fashion-MNIST",
             metric="accuracy", higher_is_better=True, steps=3000, quick_steps=1000,
             make_model=lambda dtype, dg: _models.SigmoidMLP(dtype=dtype, dot_general_cls=dg),
-            # 3000 steps: sigmoid stacks sit on a plateau first; fp32 leaves it within
-            # 1000 steps on some seeds only, within 3000 on every seed tried.
+            # 3000 steps: sigmoid stacks sit on a plateau first, and fp32 must leave it
+            # on every seed (docs/results.md section 8).
             make_optimizer=lambda steps: optax.adam(1e-3),
             loader=_fmnist_loader((784,), train_flag=False),
             settings=f"sigmoid8x128-b{FMNIST_BATCH}-adam1e-3",

@@ -37,9 +37,6 @@ import adaloss_jax as alj
 from adaloss_jax.bench import _data, _models
 from adaloss_jax.bench._steps import scaled_step
 
-# The bench's fmnist-sigmoid model (flax's default initialisation, no normalisation).
-SigmoidStack = _models.SigmoidMLP
-
 
 def xent_loss(model):
     def loss_fn(params, x, y):
@@ -95,8 +92,8 @@ def run_depth(args) -> None:
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(128, 64)).astype(np.float32))
     y = jnp.asarray(rng.integers(0, 10, size=128))
-    m16 = SigmoidStack(args.depth, dtype=jnp.float16)
-    m32 = SigmoidStack(args.depth, dtype=jnp.float32)
+    m16 = _models.sigmoid_mlp(jnp.float16, depth=args.depth)
+    m32 = _models.sigmoid_mlp(jnp.float32, depth=args.depth)
     rows = {}
     for groups in ("global", "module"):
         t0 = time.perf_counter()
@@ -124,8 +121,8 @@ def run_fp8(args) -> None:
     prep = lambda a: (a.reshape(a.shape[0], -1).astype(np.float32) / 255.0)
     train_x, test_x = prep(train_x), prep(test_x)
     probe = (jnp.asarray(test_x[:128]), jnp.asarray(test_y[:128]))
-    m16 = SigmoidStack(args.fp8_depth, dtype=jnp.float16)
-    m32 = SigmoidStack(args.fp8_depth, dtype=jnp.float32)
+    m16 = _models.sigmoid_mlp(jnp.float16, depth=args.fp8_depth)
+    m32 = _models.sigmoid_mlp(jnp.float32, depth=args.fp8_depth)
     kw = {k: float(v) for k, v in (a.split("=") for a in args.scaler.split(",") if a)}
     kw = {k: int(v) if k in ("margin", "backoff") else v for k, v in kw.items()}
     configs = {

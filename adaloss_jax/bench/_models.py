@@ -154,11 +154,13 @@ class ResNet(nn.Module):
 
 
 class DeepMLP(nn.Module):
-    """``depth`` x (Dense(width) + ReLU), no normalisation, then Dense(classes).
+    """``depth`` x (Dense(width) + ``activation``), no normalisation, then Dense(classes).
 
-    ``init_scheme="he"`` (He-normal hidden kernels) trains steadily; ``"lecun"`` (flax's
-    default) shrinks the signal ~2^-8 over 16 ReLU layers, and some fp32 seeds do not
-    learn at all.
+    ``init_scheme="he"`` (He-normal hidden kernels) trains steadily with ReLU; ``"lecun"``
+    (flax's default) shrinks the signal ~2^-8 over 16 ReLU layers, and some fp32 seeds do
+    not learn at all. With ``activation="sigmoid"`` (derivative at most 1/4) the cotangent
+    shrinks about 2 binades a layer, so the layers' gradient ranges spread wider than
+    fp8's (and, deep enough, fp16's) range: :func:`sigmoid_mlp`.
     """
 
     depth: int = 16
@@ -167,33 +169,21 @@ class DeepMLP(nn.Module):
     dtype: jnp.dtype = jnp.float16
     init_scheme: str = "he"
     dot_general_cls: Any = None
+    activation: str = "relu"
 
     @nn.compact
     def __call__(self, x):
         x = x.astype(self.dtype)
         inits = {"he": nn.initializers.he_normal, "lecun": nn.initializers.lecun_normal}
         kinit = inits[self.init_scheme]()
+        act = {"relu": nn.relu, "sigmoid": nn.sigmoid}[self.activation]
         for _ in range(self.depth):
-            x = nn.relu(_dense(self.width, self.dtype, self.dot_general_cls,
-                               kernel_init=kinit)(x))
+            x = act(_dense(self.width, self.dtype, self.dot_general_cls, kernel_init=kinit)(x))
         return _dense(self.classes, self.dtype, self.dot_general_cls)(x)
 
 
-class SigmoidMLP(nn.Module):
-    """``depth`` x (Dense(width) + sigmoid), no normalisation, then Dense(classes), flax's
-    default initialisation. Sigmoid's derivative (at most 1/4) shrinks the cotangent about
-    2 binades a layer, so the layers' gradient ranges spread wider than fp8's (and, deep
-    enough, fp16's) range."""
-
-    depth: int = 8
-    width: int = 128
-    classes: int = 10
-    dtype: jnp.dtype = jnp.float16
-    dot_general_cls: Any = None
-
-    @nn.compact
-    def __call__(self, x):
-        x = x.astype(self.dtype)
-        for _ in range(self.depth):
-            x = nn.sigmoid(_dense(self.width, self.dtype, self.dot_general_cls)(x))
-        return _dense(self.classes, self.dtype, self.dot_general_cls)(x)
+def sigmoid_mlp(dtype=jnp.float16, dot_general_cls=None, depth: int = 8) -> DeepMLP:
+    """The ``fmnist-sigmoid`` model: ``depth`` x (Dense(128) + sigmoid), flax's default
+    (LeCun-normal) initialisation, no normalisation."""
+    return DeepMLP(depth=depth, width=128, dtype=dtype, init_scheme="lecun",
+                   dot_general_cls=dot_general_cls, activation="sigmoid")

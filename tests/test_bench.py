@@ -117,6 +117,18 @@ def test_flax_fp8_peer_trains_with_its_own_scaling_state(small_gpt):
     assert row["final_underflow"] < 0.05
 
 
+def test_flax_fp8_peer_refuses_a_model_without_fp8_layers(small_gpt):
+    """A model that ignores dot_general_cls would train in plain bf16 under the fp8-flax
+    label: refused, naming the tasks that take it."""
+    plain = dataclasses.replace(
+        small_gpt, make_model=lambda dtype, dg: _models.GPT(layers=1, d_model=32, heads=2,
+                                                            context=64, dtype=dtype))
+    runner = _runner.Runner(plain, _configs.CONFIGS["fp8-flax"], "tiny", 2)
+    with pytest.raises(ValueError, match="no dense layer that takes dot_general_cls.*"
+                                         "fmnist-sigmoid"):
+        runner.init(0)
+
+
 def test_deep_tasks_run_their_own_regime_and_configs():
     plan = _cli.make_plan(_cli.parse_args(["--tasks", "fmnist-sigmoid,code-gpt"]))
     assert plan[("fmnist-sigmoid", "tiny")] == list(_configs.DEPTH)

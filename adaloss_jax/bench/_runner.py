@@ -28,7 +28,7 @@ from flax.training.dynamic_scale import DynamicScale
 
 import adaloss_jax as alj
 from adaloss_jax import _adaptive
-from adaloss_jax.bench import _configs, _steps
+from adaloss_jax.bench import _configs, _steps, _tasks
 from adaloss_jax.bench._configs import Config
 from adaloss_jax.bench._tasks import Task
 
@@ -159,6 +159,14 @@ class Runner:
 
     def init(self, seed: int):
         params, model_state = self.task.init(self.model, seed)
+        if self.config.kind == "fp8-flax" and FP8_STATE not in model_state:
+            fp8_tasks = [t.name for t in _tasks.TASKS.values() if t.configs
+                         and "fp8-flax" in t.configs]
+            raise ValueError(
+                f"config fp8-flax: task {self.task.name}'s model has no dense layer that "
+                f"takes dot_general_cls, so it would train without fp8 under an fp8 label; "
+                f"run fp8-flax on {', '.join(fp8_tasks)}, or give the model's nn.Dense "
+                f"layers dot_general_cls")
         ds = None
         if self.config.kind == "flax":
             # Arrays, not Python numbers: the state's types must not change after the

@@ -11,6 +11,7 @@ import dataclasses
 import math
 from typing import Any
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
@@ -119,3 +120,18 @@ def float_format(dtype_or_name: Any, *, argname: str = "dtype") -> FloatFormat:
             f"pass one of: {supported}"
         )
     return FORMATS[key]
+
+
+def round_to(x: jax.Array, fmt: Any) -> jax.Array:
+    """``x`` stored in ``fmt`` and read back, in ``x``'s dtype: the one simulation of a
+    narrow format (fp8 cotangents) in this library, used by the scale points
+    (``simulate=True``) and by :func:`adaloss_jax.numerics.quantize_cotangent`.
+
+    Round to nearest even, with the cast's overflow behaviour (inf for e5m2 and fp16,
+    NaN for e4m3fn, which has no inf); subnormals kept, smaller values flushed to zero.
+
+    >>> round_to(jnp.array([0.3, 1e-9, 1e6]), "float8_e5m2").tolist()
+    [0.3125, 0.0, inf]
+    """
+    fmt = float_format(fmt, argname="fmt")
+    return x.astype(fmt.dtype).astype(x.dtype)

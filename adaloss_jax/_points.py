@@ -20,7 +20,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 
-from adaloss_jax import _stream
+from adaloss_jax import _formats, _stream
 
 ROOT = _stream.ROOT
 
@@ -131,7 +131,7 @@ def _scale_point_bwd(cfg, ratio, cts):
     else:
         out = cts
     if cfg.simulate is not None:
-        out = tuple(c.astype(cfg.simulate).astype(c.dtype) for c in out)
+        out = tuple(_formats.round_to(c, cfg.simulate) for c in out)
     if not cfg.measure:
         return out, jnp.zeros_like(ratio), None
     stats = _reduce_over_mapped_axes(_stats(cts, ratio, cfg), cts)
@@ -207,12 +207,57 @@ class Call(NamedTuple):
 _LOCAL = threading.local()
 
 
-def active() -> Points | None:
+class Receiver:
+    """What the module calls a front end reports run through, while it is active (a
+    context manager): the scale points of an adaptive gradient, or a numerics probe's
+    taps. Receivers nest; every active one sees every call, the outermost first."""
+
+    def __enter__(self):
+        stack = getattr(_LOCAL, "stack", None)
+        if stack is None:
+            stack = _LOCAL.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _LOCAL.stack.remove(self)
+
+    def wrap(self, path: tuple[str, ...], module, next_fun, args, kwargs):
+        """Runs ``next_fun(*args, **kwargs)`` as a call of the module at ``path``."""
+        raise NotImplementedError
+
+
+def active() -> Receiver | None:
+    """The innermost active receiver, or None (front ends then change nothing)."""
     stack = getattr(_LOCAL, "stack", None)
     return stack[-1] if stack else None
 
 
-class Points:
+def report(path: tuple[str, ...], module, fn: Callable, args, kwargs):
+    """Runs ``fn(*args, **kwargs)`` as a call of the scale group or module at ``path``
+    (``()`` is the root): the one entry point of every front end (linen's method
+    interceptor, the object-style class swap, :func:`scale_group`). A method calling
+    another method of the same module is one call."""
+    stack = list(getattr(_LOCAL, "stack", None) or ())
+    inside = getattr(_LOCAL, "paths", None)
+    if inside is None:
+        inside = _LOCAL.paths = []
+    if not stack or (inside and inside[-1] == path):
+        return fn(*args, **kwargs)
+
+    def run(i, a, k):
+        if i == len(stack):
+            return fn(*a, **k)
+        return stack[i].wrap(path, module, lambda *a2, **k2: run(i + 1, a2, k2), a, k)
+
+    inside.append(path)
+    try:
+        return run(0, args, kwargs)
+    finally:
+        inside.pop()
+
+
+class Points(Receiver):
     """Puts scale points around the calls a front end reports (trace time).
 
     ``plan=None`` records: every point is a named identity, numbered in call order.
@@ -239,20 +284,7 @@ class Points:
         self.sizes: list[int] = []  # recording: floating leaves of each point
         self.dtypes: set = set()
 
-    def __enter__(self):
-        stack = getattr(_LOCAL, "stack", None)
-        if stack is None:
-            stack = _LOCAL.stack = []
-        stack.append(self)
-        return self
-
-    def __exit__(self, *exc):
-        _LOCAL.stack.pop()
-
     def wrap(self, path: tuple[str, ...], module, next_fun, args, kwargs):
-        """Runs ``next_fun(*args, **kwargs)`` as a call of the module at ``path``."""
-        if self.stack and self.stack[-1] == path:  # a method calling another one
-            return next_fun(*args, **kwargs)
         self.reported += 1
         kind = self.selects(path, module)
         if kind is None:
@@ -355,10 +387,7 @@ def scale_group(name: str) -> Callable:
     def deco(fn):
         @functools.wraps(fn)
         def wrapper(*args, **kwargs):
-            pts = active()
-            if pts is None:
-                return fn(*args, **kwargs)
-            return pts.wrap(path, None, fn, args, kwargs)
+            return report(path, None, fn, args, kwargs)
 
         return wrapper
 

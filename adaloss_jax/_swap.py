@@ -1,8 +1,8 @@
 """Scale points for object-style modules (NNX, Equinox), without touching the user's model.
 
 A front end builds a private copy of the model inside the traced loss and gives each of
-its modules a subclass whose public methods run through the active
-:class:`~adaloss_jax._points.Points` under the module's path. The path lives in the
+its modules a subclass whose public methods are reported to the active
+receivers (:func:`~adaloss_jax._points.report`) under the module's path. The path lives in the
 subclass, so it survives the framework's own flatten/unflatten (``nnx.scan``,
 ``nnx.remat``, ``eqx.filter_vmap``, ``jax.lax.scan`` over stacked layers): a rebuilt
 module keeps its class. Outside an adaptive gradient the methods are the originals.
@@ -21,11 +21,8 @@ def _scaled_method(cls: type, name: str):
     original = getattr(cls, name)
 
     def method(self, *args, **kwargs):
-        points = _points.active()
-        if points is None:
-            return original(self, *args, **kwargs)
-        return points.wrap(type(self)._adaloss_path, self,
-                           lambda *a, **k: original(self, *a, **k), args, kwargs)
+        return _points.report(type(self)._adaloss_path, self,
+                              lambda *a, **k: original(self, *a, **k), args, kwargs)
 
     method.__name__ = name
     method.__qualname__ = f"{cls.__qualname__}.{name}"

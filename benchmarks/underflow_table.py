@@ -84,9 +84,9 @@ def make_tx(scaling: str, regime: str, lr: float, period: int):
     inner = optax.adamw(lr, weight_decay=0.01)
     if regime == "tiny":  # undo the loss multiplier after unscaling: fp32 is unchanged
         inner = optax.chain(optax.scale(1.0 / TINY), inner)
-    policy = alj.no_scaling() if scaling == "none" else alj.dynamic(
+    scaler = alj.no_scaling() if scaling == "none" else alj.dynamic(
         initial_scale=2.0**15, period=period)
-    return alj.loss_scaled(inner, policy)
+    return alj.loss_scaled(inner, scaler)
 
 
 def train(model, params, tx, loss_fn, data_iter, steps):
@@ -138,7 +138,7 @@ def merged_table(rows_by_setting: dict[str, list]) -> str:
     by_name = {s: {(r.kind, r.name): r for r in rows_by_setting[s]} for s in settings}
     for r0 in first:
         key = (r0.kind, r0.name)
-        line = ["param" if r0.kind == "param" else "cotan", r0.name,
+        line = ["param" if r0.kind == "param" else "cotan", numerics.display_name(r0.name),
                 "x".join(map(str, r0.shape))]
         for s in settings:
             r = by_name[s][key]
@@ -153,7 +153,8 @@ def merged_table(rows_by_setting: dict[str, list]) -> str:
 def summary(rows) -> str:
     worst = sorted(rows, key=lambda r: -r.underflow_rate)[:3]
     finite = [r.headroom for r in rows if math.isfinite(r.headroom)]
-    text = "worst underflow: " + ", ".join(f"{r.name} ({r.kind}) {_pct(r.underflow_rate)}"
+    name = numerics.display_name
+    text = "worst underflow: " + ", ".join(f"{name(r.name)} ({r.kind}) {_pct(r.underflow_rate)}"
                                            for r in worst)
     if not finite:
         return text + "; headroom: no finite value (every tensor all zero or overflowed)"
@@ -196,7 +197,7 @@ def main(argv=None):
           "elements in fp16's subnormal range (as stored, scaled); headroom: "
           "log2(65504 / amax of the scaled tensor) in binades; rel_err: ||g16/s - g32|| / "
           "||g32||")
-    print("# cotan rows: cotangent of the module's output (<root> = logits)")
+    print("# cotan rows: cotangent of the module's output ((root) = logits)")
 
     records = []
     for regime in args.regimes.split(","):

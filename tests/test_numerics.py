@@ -122,8 +122,8 @@ def test_linen_probe_underflow_rate_is_exact(one_dense, log2_scale):
     probe = numerics.linen_probe(model, _weighted_loss(c))
     rows = {(r.kind, r.name): r for r in probe(params, jnp.eye(4), 2.0**log2_scale)}
     assert set(rows) == {("param", "Dense_0/kernel"), ("param", "Dense_0/bias"),
-                         ("cotangent", "Dense_0"), ("cotangent", "<root>")}
-    for key in [("param", "Dense_0/kernel"), ("cotangent", "Dense_0"), ("cotangent", "<root>")]:
+                         ("cotangent", "Dense_0"), ("cotangent", "")}
+    for key in [("param", "Dense_0/kernel"), ("cotangent", "Dense_0"), ("cotangent", "")]:
         r = rows[key]
         assert r.fmt == "float16" and r.size == 32 and r.ref_nonzero == 32
         assert r.scale == 2.0**log2_scale
@@ -136,8 +136,8 @@ def test_linen_probe_underflow_rate_is_exact(one_dense, log2_scale):
             assert r.subnormal_share == pytest.approx(12 / 32)
             assert r.rel_error == pytest.approx(0.0, abs=1e-7)
         assert r.headroom == pytest.approx(math.log2(65504 / (0.25 * 2.0**log2_scale)), abs=1e-5)
-    assert rows[("cotangent", "<root>")].shape == (4, 8)
-    assert rows[("cotangent", "<root>")].dtype == "float16"
+    assert rows[("cotangent", "")].shape == (4, 8)
+    assert rows[("cotangent", "")].dtype == "float16"
     assert rows[("param", "Dense_0/bias")].flushed == 0  # sums of columns stay normal
 
 
@@ -158,7 +158,7 @@ def test_linen_grads_cotangents_match_manual_vjp(one_dense):
     out, vjp = jax.vjp(lambda p: model.apply({"params": p}, x), params)
     ct = (jnp.asarray(c) * 2.0**10).astype(jnp.float16)
     (manual,) = vjp(ct)
-    np.testing.assert_array_equal(np.asarray(grads.cotangents["<root>"]), np.asarray(ct))
+    np.testing.assert_array_equal(np.asarray(grads.cotangents[""]), np.asarray(ct))
     np.testing.assert_array_equal(np.asarray(grads.cotangents["Dense_0"]), np.asarray(ct))
     for k in ("kernel", "bias"):
         np.testing.assert_array_equal(grads.params["Dense_0"][k], manual["Dense_0"][k])
@@ -177,7 +177,7 @@ def test_a_module_called_twice_gets_two_taps():
     params = model.init(jax.random.key(1), jnp.ones((2, 4)))["params"]
     loss = lambda m, p, b: jnp.mean(m.apply({"params": p}, b).astype(jnp.float32) ** 2)
     grads = numerics.linen_grads(model, loss)(params, jnp.ones((2, 4)), 1.0)
-    assert set(grads.cotangents) == {"Dense_0", "Dense_0#1", "<root>"}
+    assert set(grads.cotangents) == {"Dense_0", "Dense_0#1", ""}
     filtered = numerics.linen_grads(model, loss, filter=lambda path, m: path != ())
     assert set(filtered(params, jnp.ones((2, 4)), 1.0).cotangents) == {"Dense_0", "Dense_0#1"}
 
@@ -301,8 +301,8 @@ def test_nnx_probe_underflow_rate_is_exact(log2_scale):
     rows = numerics.nnx_probe(model, _nnx_loss(c))(model, jnp.eye(4), 2.0**log2_scale)
     rows = {(r.kind, r.name): r for r in rows}
     assert set(rows) == {("param", "lin/kernel"), ("param", "lin/bias"),
-                         ("cotangent", "lin"), ("cotangent", "<root>")}
-    for key in [("param", "lin/kernel"), ("cotangent", "lin"), ("cotangent", "<root>")]:
+                         ("cotangent", "lin"), ("cotangent", "")}
+    for key in [("param", "lin/kernel"), ("cotangent", "lin"), ("cotangent", "")]:
         assert rows[key].flushed == (7 if log2_scale == 0 else 0)
         assert rows[key].scale == 2.0**log2_scale
     # The live model is untouched: same values, same classes.
@@ -409,7 +409,7 @@ def test_fp8_cotangents_per_tap_scales():
             return jnp.sum(model.apply({"params": p}, x) * c)
 
     flushed = jax.grad(loss)(params, {})
-    kept = jax.grad(loss)(params, {"<root>": 2.0**10, "second": 2.0**10})
+    kept = jax.grad(loss)(params, {"": 2.0**10, "second": 2.0**10})
     assert float(jnp.abs(flushed["second"]["bias"]).max()) == 0.0
     np.testing.assert_array_equal(kept["second"]["bias"], np.full(8, 3 * 2.0**-20))
 
@@ -471,3 +471,56 @@ def test_nnx_taps_with_fp8_on_a_merged_copy():
     q = _manual_round_trip(c, 2.0**12, jnp.float8_e5m2)
     np.testing.assert_array_equal(g["lin"]["kernel"][...], q)  # identity input
     assert type(model.lin) is nnx.Linear
+
+
+# ------------------------------------------------ one interception for probes and scaling
+
+
+def test_taps_reach_pure_jax_scale_groups():
+    """The taps are a receiver of the front ends' call reports, so a pure-JAX function
+    marked with scale_group is tapped as a linen module is."""
+    dense = alj.scale_group("layer0")(lambda p, x: x @ p["w"])
+    params = {"w": jnp.asarray(np.random.randn(4, 3), jnp.float32)}
+    c = jnp.asarray(np.random.randn(2, 3), jnp.float32)
+    seen = {}
+
+    def loss(p):
+        def tap(key, leaf):
+            seen[key] = leaf.shape
+            return numerics.quantize_cotangent(leaf, 1.0, "float8_e4m3fn")
+        with numerics.taps(tap):
+            return jnp.sum(dense(p, jnp.eye(2, 4)) * c)
+
+    g = jax.jit(jax.grad(loss))(params)
+    assert seen == {"layer0": (2, 3)}
+    q = _manual_round_trip(c, 1.0, jnp.float8_e4m3fn)
+    np.testing.assert_array_equal(g["w"][:2], q)  # identity rows of the input
+
+
+def test_taps_inside_an_adaptive_gradient_see_each_call_once():
+    """Probing taps and adaptive scale points share the linen interception: inside an
+    adaptive gradient each module call is tapped once, and an identity tap changes
+    neither the gradients nor the statistics."""
+    from _models import MLP, classification_loss
+
+    model = MLP(dtype=jnp.float16)
+    x = jnp.asarray(np.random.randn(8, 8), jnp.float32)
+    y = jnp.asarray(np.random.randint(0, 4, size=8))
+    params = model.init(jax.random.key(0), x)["params"]
+    scaler = alj.adaptive(groups="module")
+    state = optax.chain(alj.adaptive_unscale(scaler)).init(params)
+    keys = []
+
+    def loss(p, x, y, tapped):
+        if not tapped:
+            return classification_loss(model, {"params": p}, x, y)[0]
+        with numerics.taps(lambda k, leaf: keys.append(k) or leaf):
+            return classification_loss(model, {"params": p}, x, y)[0]
+
+    plain = jax.jit(alj.adaptive_value_and_grad(lambda p, x, y: loss(p, x, y, False), scaler))
+    tapped = jax.jit(alj.adaptive_value_and_grad(lambda p, x, y: loss(p, x, y, True), scaler))
+    a, b = plain(state, params, x, y), tapped(state, params, x, y)
+    for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
+        np.testing.assert_array_equal(u, v)
+    # (the loss is traced twice: once analysed, once with the scale points)
+    assert set(keys) == {"", "Dense_0", "Dense_1", "Dense_2", "Dense_3"}, keys

@@ -16,8 +16,14 @@ from adaloss_jax.numerics._probe import (
     nnx_probe,
 )
 from adaloss_jax.numerics._stats import STAT_NAMES, tensor_stats
-from adaloss_jax.numerics._table import DEFAULT_COLUMNS, ProbeRow, format_table, rows_as_dicts
-from adaloss_jax.numerics._taps import linen_taps, nnx_taps
+from adaloss_jax.numerics._table import (
+    DEFAULT_COLUMNS,
+    ProbeRow,
+    display_name,
+    format_table,
+    rows_as_dicts,
+)
+from adaloss_jax.numerics._taps import linen_taps, nnx_taps, taps
 
 __all__ = [
     "DEFAULT_COLUMNS",
@@ -27,6 +33,7 @@ __all__ = [
     "ProbeRow",
     "amax_scale",
     "compare",
+    "display_name",
     "format_table",
     "fp8_cotangents",
     "linen_grads",
@@ -38,5 +45,6 @@ __all__ = [
     "nnx_taps",
     "quantize_cotangent",
     "rows_as_dicts",
+    "taps",
     "tensor_stats",
 ]

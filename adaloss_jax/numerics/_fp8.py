@@ -1,9 +1,9 @@
 """Simulated fp8 cotangents: a scale point that rounds the backward pass to fp8.
 
 SIMULATION: the forward pass and all arithmetic stay in the model's dtype; only the
-cotangent crossing the scale point is scaled, cast to an fp8 format (ml_dtypes' e5m2
-or e4m3fn, round to nearest even, with the cast's overflow behaviour: inf for e5m2,
-NaN for e4m3fn) and cast back and unscaled. This is the numerical effect of storing
+cotangent crossing the scale point is scaled, stored in an fp8 format and read back
+(:func:`adaloss_jax._formats.round_to`, the simulation the adaptive scale points use
+too) and unscaled. This is the numerical effect of storing
 that cotangent in fp8 with a per-tensor scale, not fp8 speed.
 """
 
@@ -35,8 +35,7 @@ def _fp8_format(dtype: Any) -> _formats.FloatFormat:
 
 def _round_trip(g: jax.Array, scale: jax.Array, name: str) -> jax.Array:
     s = jnp.asarray(scale, jnp.float32)
-    q = (g.astype(jnp.float32) * s).astype(_formats.FORMATS[name].dtype)
-    return (q.astype(jnp.float32) / s).astype(g.dtype)
+    return (_formats.round_to(g.astype(jnp.float32) * s, name) / s).astype(g.dtype)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
@@ -132,10 +131,11 @@ def fp8_cotangents(
     filter: _taps.ModuleFilter | None = None,
     margin: int = 0,
 ) -> Iterator[None]:
-    """Within the context, linen module outputs get :func:`quantize_cotangent` (SIMULATED).
+    """Within the context, module outputs get :func:`quantize_cotangent` (SIMULATED).
 
-    Every selected module ``__call__`` output (the same taps, and keys, a probe
-    reports) has its cotangent rounded to fp8. Use it inside the function you
+    Every selected linen module call's output and every :func:`~adaloss_jax.scale_group`
+    function's output (the same taps, and keys, a probe reports) has its cotangent
+    rounded to fp8. Use it inside the function you
     differentiate, around ``model.apply``::
 
         def loss_fn(params, batch):
@@ -157,5 +157,5 @@ def fp8_cotangents(
             return quantize_cotangent(leaf, scale.get(key, 1.0), dtype)
         return quantize_cotangent(leaf, scale, dtype, margin=margin)
 
-    with _taps.linen_taps(leaf_tap, filter):
+    with _taps.taps(leaf_tap, filter):
         yield

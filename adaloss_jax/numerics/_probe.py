@@ -375,7 +375,7 @@ def linen_probe(
     >>> loss = lambda m, p, b: jnp.mean(m.apply({"params": p}, b) ** 2)
     >>> rows = linen_probe(model, loss)(params, jnp.ones((2, 4)), 2.0**8)
     >>> [(r.kind, r.name) for r in rows]
-    [('param', 'bias'), ('param', 'kernel'), ('cotangent', '<root>')]
+    [('param', 'bias'), ('param', 'kernel'), ('cotangent', '')]
     """
     fmt = _infer_fmt({getattr(model, "dtype", None)}, fmt, "model")
     if ref_model is None:

@@ -16,7 +16,8 @@ class ProbeRow:
       kind: ``"param"`` (a parameter gradient) or ``"cotangent"`` (the cotangent of a
         module's output, i.e. the gradient flowing into the module from above).
       name: parameter path (``"block_0/attn/qkv/kernel"``) or module path
-        (``"block_0/attn/qkv"``, ``"<root>"`` for the model's output).
+        (``"block_0/attn/qkv"``; ``""`` is the root, the model's output, printed as
+        ``(root)``).
       shape: the tensor's shape.
       dtype: the dtype the low-precision run stored it in.
       fmt: the format the statistics refer to (``"float16"``, ...).
@@ -81,6 +82,15 @@ def _binades(x: float) -> str:
     return f"{x:.1f}"
 
 
+def display_name(name: str) -> str:
+    """A tensor's name as tables print it: the root's empty path reads ``(root)``.
+
+    >>> display_name(""), display_name("[0]"), display_name("Dense_0")
+    ('(root)', '(root)[0]', 'Dense_0')
+    """
+    return name if name and not name.startswith(("[", "#", ".")) else f"(root){name}"
+
+
 def _scale(x: float) -> str:
     if x > 0 and math.isfinite(x) and math.log2(x) == round(math.log2(x)):
         return f"2^{round(math.log2(x))}"
@@ -94,6 +104,7 @@ _FORMATTERS = {
     "amax": _float,
     "headroom": _binades,
     "scale": _scale,
+    "name": display_name,
     "shape": lambda s: "x".join(str(d) for d in s) or "()",
 }
 

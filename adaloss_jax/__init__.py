@@ -29,6 +29,7 @@ from adaloss_jax._formats import (
 from adaloss_jax._points import scale_group
 from adaloss_jax._policies import (
     DynamicLossScale,
+    GlobalScaler,
     LossScalePolicy,
     LossScaleState,
     NoLossScale,
@@ -75,6 +76,7 @@ __all__ = [
     "FORMATS",
     "DynamicLossScale",
     "FloatFormat",
+    "GlobalScaler",
     "LossScalePolicy",
     "LossScaleState",
     "NoLossScale",

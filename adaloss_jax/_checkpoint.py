@@ -1,7 +1,7 @@
 """Plain pytree checkpoints of optimizer states (msgpack via ``flax.serialization``).
 
 A :class:`~adaloss_jax.LossScaleState` is a NamedTuple of arrays, so it round-trips
-with the rest of the optimizer state; nothing about the policy is stored (the policy
+with the rest of the optimizer state; nothing about the scaler is stored (the scaler
 is configuration, rebuilt by the code that loads the checkpoint).
 """
 
@@ -121,7 +121,7 @@ def load_state(path: str | os.PathLike, template: Any) -> Any:
     if msg is not None:
         raise ValueError(
             f"checkpoint {os.fspath(path)!r} does not match the template {msg}; load it into "
-            f"a state built with the same optimizer, policy and parameter shapes/dtypes"
+            f"a state built with the same optimizer, scaler and parameter shapes/dtypes"
         )
     restored = serialization.from_state_dict(template, raw)
     return jax.tree_util.tree_map(_like, template, restored)

@@ -1,6 +1,6 @@
-"""Global loss-scale policies: frozen configs with pure, branch-free update rules.
+"""Global loss scalers: frozen configs with pure, branch-free update rules.
 
-A policy is static configuration (hashable, never traced); its mutable part lives
+A scaler is static configuration (hashable, never traced); its mutable part lives
 in :class:`LossScaleState`, a NamedTuple of arrays, so every field survives
 ``jax.tree_util`` flatten/unflatten, ``jit`` and checkpointing, and no configuration
 can be lost on the way (jmp's ``DynamicLossScale`` drops ``min_loss_scale`` when
@@ -62,7 +62,7 @@ def _initial_state(scale: float, hysteresis: int) -> LossScaleState:
 
 
 def _count(state: LossScaleState, grads_finite, loss_finite) -> LossScaleState:
-    """Updates the step counters; the scale fields are left to the policy."""
+    """Updates the step counters; the scale fields are left to the scaler."""
     applied = jnp.logical_and(grads_finite, loss_finite)
     skipped = jnp.logical_not(applied)
     return state._replace(
@@ -231,7 +231,19 @@ class DynamicLossScale:
         return _count(state, grads_finite, loss_finite)
 
 
-LossScalePolicy = NoLossScale | StaticLossScale | DynamicLossScale
+GlobalScaler = NoLossScale | StaticLossScale | DynamicLossScale
+LossScalePolicy = GlobalScaler  # its former name (these were called "policies")
+
+
+def renamed(scaler: Any, policy: Any, where: str) -> Any:
+    """``scaler``, or the same object passed under its old keyword ``policy=`` (warns)."""
+    if policy is None:
+        return scaler
+    if scaler is not None:
+        raise TypeError(f"{where}: pass scaler=... only (policy= is its old name)")
+    warnings.warn(f"{where}: policy= is now called scaler=; rename the argument",
+                  DeprecationWarning, stacklevel=3)
+    return policy
 
 _NOTICED: set[str] = set()
 
@@ -253,10 +265,10 @@ def _notice_no_scaling(fmt: _formats.FloatFormat) -> None:
     )
 
 
-def _resolve(compute_dtype: Any, policy: LossScalePolicy) -> LossScalePolicy:
+def _resolve(compute_dtype: Any, scaler: GlobalScaler) -> GlobalScaler:
     fmt = _formats.float_format(compute_dtype, argname="compute_dtype")
     if fmt.needs_scaling:
-        return policy
+        return scaler
     _notice_no_scaling(fmt)
     return NoLossScale(reason=f"compute_dtype={fmt.name} needs no loss scaling")
 
@@ -266,7 +278,7 @@ def no_scaling() -> NoLossScale:
     return NoLossScale()
 
 
-def static(loss_scale: float = 2.0**15, *, compute_dtype: Any = "float16") -> LossScalePolicy:
+def static(loss_scale: float = 2.0**15, *, compute_dtype: Any = "float16") -> GlobalScaler:
     """A fixed power-of-two loss scale; a no-op (with a one-time notice) unless the
     compute dtype is float16 or fp8.
 
@@ -286,7 +298,7 @@ def dynamic(
     hysteresis: int = 1,
     consecutive_hysteresis: bool = False,
     compute_dtype: Any = "float16",
-) -> LossScalePolicy:
+) -> GlobalScaler:
     """Dynamic global loss scaling (see :class:`DynamicLossScale` for the rule).
 
     Scaling is activated only for float16 and fp8 ``compute_dtype`` (Keras 3's

@@ -92,7 +92,7 @@ def _to_fp32(g: jax.Array) -> jax.Array:
 
 
 def unscale(
-    policy: _policies.LossScalePolicy, *, axis_name: str | None = None
+    scaler: _policies.GlobalScaler, *, axis_name: str | None = None
 ) -> optax.GradientTransformationExtraArgs:
     """Unscales gradients, checks finiteness and updates the loss scale.
 
@@ -101,7 +101,7 @@ def unscale(
         updates = fp32(grads) / s
         loss_finite = isfinite(loss)            # True when no loss= is passed
         applied = all_finite(updates) and loss_finite   # reduced over axis_name
-        state = policy.adjust(state, all_finite(updates), loss_finite)
+        state = scaler.adjust(state, all_finite(updates), loss_finite)
         if not applied: updates = -0.0 everywhere (the skip signal for skip_nonfinite)
 
     Pass the unscaled loss as ``tx.update(..., loss=loss)``: a non-finite loss (the
@@ -115,7 +115,7 @@ def unscale(
     Wrap them in :func:`skip_nonfinite` (or use :func:`loss_scaled`) to skip exactly.
 
     Args:
-      policy: a policy from :func:`dynamic`, :func:`static` or :func:`no_scaling`.
+      scaler: a scaler from :func:`dynamic`, :func:`static` or :func:`no_scaling`.
       axis_name: mapped axis to agree on finiteness across (``shard_map``/``pmap``).
 
     Returns:
@@ -129,16 +129,17 @@ def unscale(
     >>> updates["w"].tolist(), bool(scale_state(state).last_applied)
     ([-1.0, -2.0], True)
     """
-    if not isinstance(policy, _policies.NoLossScale | _policies.StaticLossScale |
+    if not isinstance(scaler, _policies.NoLossScale | _policies.StaticLossScale |
                       _policies.DynamicLossScale):
         raise TypeError(
-            f"policy must be a loss-scale policy from adaloss_jax.dynamic(), static() or "
-            f"no_scaling(), got {policy!r} of type {type(policy).__name__}"
+            f"scaler must be a global scaler from adaloss_jax.dynamic(), static() or "
+            f"no_scaling(), got {scaler!r} of type {type(scaler).__name__} (an "
+            f"adaloss_jax.adaptive() scaler goes with adaptive_unscale)"
         )
 
     def init_fn(params):
         del params
-        return policy.init()
+        return scaler.init()
 
     def update_fn(updates, state, params=None, *, loss=None, **extra_args):
         del params, extra_args
@@ -149,7 +150,7 @@ def unscale(
             loss_finite = jnp.asarray(True)
         else:
             loss_finite = all_finite(loss, axis_name=axis_name)
-        new_state = policy.adjust(state, grads_finite, loss_finite)
+        new_state = scaler.adjust(state, grads_finite, loss_finite)
         return signal_skip(updates, new_state.last_applied), new_state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
@@ -189,12 +190,12 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
 
 def loss_scaled(
     inner: optax.GradientTransformation,
-    policy: _policies.LossScalePolicy,
+    scaler: _policies.GlobalScaler,
     *,
     axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """``optax.chain(unscale(policy, axis_name=...), skip_nonfinite(inner))``."""
-    return optax.chain(unscale(policy, axis_name=axis_name), skip_nonfinite(inner))
+    """``optax.chain(unscale(scaler, axis_name=...), skip_nonfinite(inner))``."""
+    return optax.chain(unscale(scaler, axis_name=axis_name), skip_nonfinite(inner))
 
 
 def _plain_state(tree: Any) -> Any:

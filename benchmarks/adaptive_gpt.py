@@ -58,7 +58,7 @@ CONFIGS = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-amax", "fp16-ada
 
 
 def scaling_of(config: str, period: int):
-    """The config's scaler: a global policy or an adaptive scaler."""
+    """The config's scaler: a global scaler or an adaptive scaler."""
     return {
         "fp32": alj.no_scaling,
         "fp16-dynamic": lambda: alj.dynamic(initial_scale=2.0**15, period=period),

@@ -112,7 +112,7 @@ def _xent(model, params, xb, yb):
 
 
 def make_scaler(config: str):
-    """The config's scaler: a global policy or an adaptive scaler."""
+    """The config's scaler: a global scaler or an adaptive scaler."""
     return {
         "fp32": alj.no_scaling,
         "fp16-none": alj.no_scaling,

@@ -68,7 +68,7 @@ def test_linen_train_step_skips_and_counts():
         apply_fn=model.apply,
         params=params,
         tx=optax.adamw(1e-2),
-        policy=alj.dynamic(initial_scale=INITIAL, period=2),
+        scaler=alj.dynamic(initial_scale=INITIAL, period=2),
     )
     expected_scale = [INITIAL, INITIAL, 2 * INITIAL, INITIAL, INITIAL, 2 * INITIAL]
     for t in range(STEPS):
@@ -91,13 +91,13 @@ def test_linen_train_step_skips_and_counts():
 
 
 def test_linen_train_step_adaptive_per_module():
-    """policy=adaptive(): per-module scale points in train_step, one jit, skips visible,
+    """scaler=adaptive(): per-module scale points in train_step, one jit, skips visible,
     gradients (hence updates) equal to an fp32 run with the same optimizer."""
     model = MLP()
     xs, ys = batches()
     params = model.init(jax.random.key(0), xs[0], False)["params"]
     state = TrainState.create(
-        apply_fn=model.apply, params=params, tx=optax.sgd(0.1), policy=alj.adaptive(groups="module")
+        apply_fn=model.apply, params=params, tx=optax.sgd(0.1), scaler=alj.adaptive(groups="module")
     )
     assert sorted(alj.adaptive_state(state.opt_state).log2_scales) == ["", "Dense_0", "Dense_1"]
     for t in range(STEPS):
@@ -127,11 +127,24 @@ def test_linen_create_without_unscale_is_refused():
         TrainState.create(
             apply_fn=model.apply, params=params, tx=optax.adamw(1e-3), axis_name="data"
         )
-    # A tx that already contains unscale is accepted with policy=None.
+    # A tx that already contains unscale is accepted with scaler=None.
     state = TrainState.create(
         apply_fn=model.apply, params=params, tx=alj.loss_scaled(optax.sgd(0.1), alj.static())
     )
     assert float(state.loss_scale_state.loss_scale) == 2.0**15
+
+
+def test_policy_keyword_is_the_old_name_of_scaler():
+    model = MLP()
+    params = model.init(jax.random.key(0), jnp.zeros((1, 4)), False)["params"]
+    with pytest.warns(DeprecationWarning, match="scaler="):
+        state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1),
+                                  policy=alj.static(2.0**3))
+    assert float(state.loss_scale_state.loss_scale) == 2.0**3
+    with pytest.raises(TypeError, match="scaler=... only"):
+        TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1),
+                          policy=alj.static(), scaler=alj.static())
+    assert alj.LossScalePolicy is alj.GlobalScaler
 
 
 # --- NNX ------------------------------------------------------------------------
@@ -196,7 +209,7 @@ def test_linen_train_state_checkpoint_continues_identically(tmp_path):
     def fresh():
         return TrainState.create(
             apply_fn=model.apply, params=params, tx=optax.adamw(1e-2),
-            policy=alj.dynamic(initial_scale=INITIAL, period=2),
+            scaler=alj.dynamic(initial_scale=INITIAL, period=2),
         )
 
     state = fresh()

@@ -26,7 +26,7 @@ def _setup():
     model = MLP()
     state = TrainState.create(apply_fn=model.apply,
                               params=model.init(jax.random.key(0), x)["params"],
-                              tx=optax.adamw(1e-2), policy=alj.adaptive(groups="module"))
+                              tx=optax.adamw(1e-2), scaler=alj.adaptive(groups="module"))
 
     def loss_fn(p, x, y):
         logits = model.apply({"params": p}, x).astype(jnp.float32)

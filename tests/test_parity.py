@@ -44,12 +44,12 @@ def flags():
 
 
 @functools.partial(jax.jit, static_argnums=0)
-def ours_trajectory(policy, grads_finite):
+def ours_trajectory(scaler, grads_finite):
     def body(s, f):
-        s = policy.adjust(s, f)
+        s = scaler.adjust(s, f)
         return s, (s.loss_scale, s.last_applied)
 
-    return jax.lax.scan(body, policy.init(), grads_finite)[1]
+    return jax.lax.scan(body, scaler.init(), grads_finite)[1]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
@@ -90,8 +90,8 @@ def flax_trajectory(growth_interval, min_scale, initial, bad):
 
 def test_trajectory_equals_jmp_and_flax():
     f = flags()
-    policy = alj.dynamic(initial_scale=INITIAL, period=PERIOD, min_loss_scale=MIN)
-    ours, applied = jax.device_get(ours_trajectory(policy, jnp.asarray(f)))
+    scaler = alj.dynamic(initial_scale=INITIAL, period=PERIOD, min_loss_scale=MIN)
+    ours, applied = jax.device_get(ours_trajectory(scaler, jnp.asarray(f)))
     theirs_jmp = jax.device_get(jmp_trajectory(PERIOD, MIN, INITIAL, jnp.asarray(f)))
     theirs_flax, flax_finite = jax.device_get(
         flax_trajectory(PERIOD - 1, MIN, INITIAL, jnp.asarray(~f))
@@ -109,8 +109,8 @@ def test_trajectory_equals_jmp_and_flax():
 def test_flax_growth_interval_equal_to_period_lags_one_step():
     """The documented difference: with growth_interval=P flax grows one step later."""
     f = np.ones(2 * PERIOD + 2, bool)
-    policy = alj.dynamic(initial_scale=INITIAL, period=PERIOD, min_loss_scale=MIN)
-    ours, _ = jax.device_get(ours_trajectory(policy, jnp.asarray(f)))
+    scaler = alj.dynamic(initial_scale=INITIAL, period=PERIOD, min_loss_scale=MIN)
+    ours, _ = jax.device_get(ours_trajectory(scaler, jnp.asarray(f)))
     lagging, _ = jax.device_get(flax_trajectory(PERIOD, MIN, INITIAL, jnp.asarray(~f)))
     first_ours = int(np.argmax(ours > INITIAL))
     first_flax = int(np.argmax(lagging > INITIAL))
@@ -121,8 +121,8 @@ def test_flax_growth_interval_equal_to_period_lags_one_step():
 def test_jmp_parity_at_the_fp32_ceiling():
     # jmp keeps the scale when doubling overflows fp32; ours stops at max_loss_scale=2**127.
     f = np.array([t % 7 != 6 for t in range(STEPS)])
-    policy = alj.dynamic(initial_scale=2.0**100, period=1, max_loss_scale=2.0**127)
-    ours, _ = jax.device_get(ours_trajectory(policy, jnp.asarray(f)))
+    scaler = alj.dynamic(initial_scale=2.0**100, period=1, max_loss_scale=2.0**127)
+    ours, _ = jax.device_get(ours_trajectory(scaler, jnp.asarray(f)))
     theirs = jax.device_get(jmp_trajectory(1, 1.0, 2.0**100, jnp.asarray(f)))
     np.testing.assert_array_equal(ours, theirs)
     assert ours.max() == 2.0**127 and np.all(np.isfinite(ours))

@@ -16,26 +16,26 @@ import adaloss_jax as alj
 from adaloss_jax import _policies
 
 
-def reference(policy: alj.DynamicLossScale, flags):
+def reference(scaler: alj.DynamicLossScale, flags):
     """The rule from ``DynamicLossScale``'s docstring, in plain Python."""
-    scale, count, hyst = policy.initial_scale, 0, policy.hysteresis
+    scale, count, hyst = scaler.initial_scale, 0, scaler.hysteresis
     nf = applied_total = skipped_total = nonfinite_loss_total = 0
     out = []
     for grads_finite, loss_finite in flags:
         applied = grads_finite and loss_finite
         if applied:
             count += 1
-            if policy.consecutive_hysteresis:
-                hyst = policy.hysteresis
-            if count == policy.period:
-                scale = min(scale * policy.factor, policy.max_loss_scale)
+            if scaler.consecutive_hysteresis:
+                hyst = scaler.hysteresis
+            if count == scaler.period:
+                scale = min(scale * scaler.factor, scaler.max_loss_scale)
                 count = 0
-                hyst = policy.hysteresis
+                hyst = scaler.hysteresis
         elif loss_finite:
             count = 0
             hyst = max(hyst - 1, 0)
             if hyst == 0:
-                scale = max(scale / policy.factor, policy.min_loss_scale)
+                scale = max(scale / scaler.factor, scaler.min_loss_scale)
         nf = 0 if applied else nf + 1
         applied_total += applied
         skipped_total += not applied
@@ -55,27 +55,27 @@ def reference(policy: alj.DynamicLossScale, flags):
     return out
 
 
-def _scan(policy, state, grads_finite, loss_finite):
+def _scan(scaler, state, grads_finite, loss_finite):
     def body(s, flags):
-        s = policy.adjust(s, *flags)
+        s = scaler.adjust(s, *flags)
         return s, s
 
     return jax.lax.scan(body, state, (grads_finite, loss_finite))[1]
 
 
-# One compiled trajectory function per policy (policies are hashable static config).
+# One compiled trajectory function per scaler (scalers are hashable static config).
 run = jax.jit(_scan, static_argnums=0)
 
 
-def trajectory(policy, flags):
+def trajectory(scaler, flags):
     flags = np.asarray(flags, bool).reshape(-1, 2)
-    states = run(policy, policy.init(), jnp.asarray(flags[:, 0]), jnp.asarray(flags[:, 1]))
+    states = run(scaler, scaler.init(), jnp.asarray(flags[:, 0]), jnp.asarray(flags[:, 1]))
     return jax.device_get(states)
 
 
-def assert_matches_reference(policy, flags):
-    got = trajectory(policy, flags)
-    want = reference(policy, [tuple(map(bool, f)) for f in np.asarray(flags).reshape(-1, 2)])
+def assert_matches_reference(scaler, flags):
+    got = trajectory(scaler, flags)
+    want = reference(scaler, [tuple(map(bool, f)) for f in np.asarray(flags).reshape(-1, 2)])
     for t, w in enumerate(want):
         for field, value in w.items():
             g = getattr(got, field)[t]
@@ -108,12 +108,12 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_random_flags_follow_documented_rule(name):
-    policy = alj.DynamicLossScale(**CONFIGS[name])
+    scaler = alj.DynamicLossScale(**CONFIGS[name])
     rng = np.random.default_rng(1)
     # Mostly finite steps, some gradient overflows, a few non-finite losses.
     u = rng.random(300)
     flags = np.stack([u > 0.25, ~((u > 0.15) & (u < 0.2))], axis=1)
-    got = assert_matches_reference(policy, flags)
+    got = assert_matches_reference(scaler, flags)
     # The sequence exercises every branch.
     assert got.total_nonfinite_loss[-1] > 0
     assert got.total_skipped[-1] > got.total_nonfinite_loss[-1]
@@ -121,8 +121,8 @@ def test_random_flags_follow_documented_rule(name):
 
 
 def test_growth_every_period_hand_derived():
-    policy = alj.DynamicLossScale(initial_scale=2.0**4, period=3)
-    got = trajectory(policy, finite_steps(9))
+    scaler = alj.DynamicLossScale(initial_scale=2.0**4, period=3)
+    got = trajectory(scaler, finite_steps(9))
     # Growth on the 3rd, 6th and 9th consecutive finite steps.
     assert got.loss_scale.tolist() == [16, 16, 32, 32, 32, 64, 64, 64, 128]
     assert got.finite_count.tolist() == [1, 2, 0, 1, 2, 0, 1, 2, 0]
@@ -131,54 +131,54 @@ def test_growth_every_period_hand_derived():
 
 
 def test_overflow_resets_the_period():
-    policy = alj.DynamicLossScale(initial_scale=2.0**4, period=3)
-    got = trajectory(policy, finite_steps(2) + overflow_steps(1) + finite_steps(3))
+    scaler = alj.DynamicLossScale(initial_scale=2.0**4, period=3)
+    got = trajectory(scaler, finite_steps(2) + overflow_steps(1) + finite_steps(3))
     assert got.loss_scale.tolist() == [16, 16, 8, 8, 8, 16]
     assert got.notfinite_count.tolist() == [0, 0, 1, 0, 0, 0]
 
 
 def test_scale_never_leaves_bounds_nor_becomes_zero_inf_nan():
     # Extremes of fp32: the scale sticks at the bounds instead of reaching 0 or inf.
-    policy = alj.DynamicLossScale(
+    scaler = alj.DynamicLossScale(
         initial_scale=1.0, period=1, min_loss_scale=2.0**-126, max_loss_scale=2.0**127
     )
-    got = assert_matches_reference(policy, overflow_steps(200) + finite_steps(400))
+    got = assert_matches_reference(scaler, overflow_steps(200) + finite_steps(400))
     assert got.loss_scale[199] == 2.0**-126
     assert got.loss_scale[-1] == 2.0**127
     assert np.all(np.isfinite(got.loss_scale)) and np.all(got.loss_scale > 0)
     # The documented defaults: min 1, max 2**64.
-    policy = alj.DynamicLossScale(initial_scale=2.0**15, period=1)
-    got = trajectory(policy, overflow_steps(40) + finite_steps(100))
+    scaler = alj.DynamicLossScale(initial_scale=2.0**15, period=1)
+    got = trajectory(scaler, overflow_steps(40) + finite_steps(100))
     assert got.loss_scale[39] == 1.0
     assert got.loss_scale[-1] == 2.0**64
 
 
 def test_hysteresis_refills_only_on_growth():
-    policy = alj.DynamicLossScale(initial_scale=2.0**10, period=3, hysteresis=2)
+    scaler = alj.DynamicLossScale(initial_scale=2.0**10, period=3, hysteresis=2)
     # overflow, finite, overflow: no growth in between, so the 2nd overflow backs off.
-    got = trajectory(policy, [(False, True), (True, True), (False, True), (False, True)])
+    got = trajectory(scaler, [(False, True), (True, True), (False, True), (False, True)])
     assert got.loss_scale.tolist() == [1024, 1024, 512, 256]
     assert got.hysteresis_left.tolist() == [1, 1, 0, 0]
     # A growth refills it.
-    got = trajectory(policy, overflow_steps(1) + finite_steps(3) + overflow_steps(2))
+    got = trajectory(scaler, overflow_steps(1) + finite_steps(3) + overflow_steps(2))
     assert got.loss_scale.tolist() == [1024, 1024, 1024, 2048, 2048, 1024]
     assert got.hysteresis_left.tolist() == [1, 1, 1, 2, 1, 0]
 
 
 def test_hysteresis_consecutive_refills_after_every_applied_step():
-    policy = alj.DynamicLossScale(
+    scaler = alj.DynamicLossScale(
         initial_scale=2.0**10, period=3, hysteresis=2, consecutive_hysteresis=True
     )
-    got = trajectory(policy, [(False, True), (True, True), (False, True), (False, True)])
+    got = trajectory(scaler, [(False, True), (True, True), (False, True), (False, True)])
     # The finite step refills, so only two overflows in a row back off.
     assert got.loss_scale.tolist() == [1024, 1024, 1024, 512]
     assert got.hysteresis_left.tolist() == [1, 2, 1, 0]
 
 
 def test_nonfinite_loss_keeps_scale_and_finite_count():
-    policy = alj.DynamicLossScale(initial_scale=2.0**4, period=3)
+    scaler = alj.DynamicLossScale(initial_scale=2.0**4, period=3)
     flags = [(True, True), (True, True), (True, False), (False, False), (True, True)]
-    got = assert_matches_reference(policy, flags)
+    got = assert_matches_reference(scaler, flags)
     assert got.loss_scale.tolist() == [16, 16, 16, 16, 32]
     assert got.finite_count.tolist() == [1, 2, 2, 2, 0]
     assert got.last_applied.tolist() == [True, True, False, False, True]
@@ -189,12 +189,12 @@ def test_nonfinite_loss_keeps_scale_and_finite_count():
 
 
 @pytest.mark.parametrize(
-    "policy", [alj.StaticLossScale(2.0**7), alj.NoLossScale()], ids=["static", "none"]
+    "scaler", [alj.StaticLossScale(2.0**7), alj.NoLossScale()], ids=["static", "none"]
 )
-def test_static_and_none_keep_scale_and_count(policy):
+def test_static_and_none_keep_scale_and_count(scaler):
     flags = [(True, True), (False, True), (False, True), (True, False), (True, True)]
-    got = trajectory(policy, flags)
-    expected = 2.0**7 if isinstance(policy, alj.StaticLossScale) else 1.0
+    got = trajectory(scaler, flags)
+    expected = 2.0**7 if isinstance(scaler, alj.StaticLossScale) else 1.0
     assert got.loss_scale.tolist() == [expected] * 5
     assert got.last_applied.tolist() == [True, False, False, False, True]
     assert got.notfinite_count.tolist() == [0, 1, 2, 3, 0]
@@ -215,9 +215,9 @@ def test_factories():
 
 
 def test_state_flatten_unflatten_keeps_every_field_and_survives_jit():
-    policy = alj.DynamicLossScale(initial_scale=2.0**10, period=3, hysteresis=2)
+    scaler = alj.DynamicLossScale(initial_scale=2.0**10, period=3, hysteresis=2)
     state = jax.tree_util.tree_map(lambda x: x[-1], run(
-        policy, policy.init(), jnp.array([True, False, True, True]), jnp.array([True] * 4)
+        scaler, scaler.init(), jnp.array([True, False, True, True]), jnp.array([True] * 4)
     ))
     leaves, treedef = jax.tree_util.tree_flatten(state)
     assert len(leaves) == len(alj.LossScaleState._fields)
@@ -248,7 +248,7 @@ def test_min_loss_scale_survives_jit_unlike_jmp():
     for _ in range(5):
         jmp_scale = jmp_adjust(jmp_scale)
     assert float(jmp_scale.loss_scale) == 2.0**7
-    # ...ours keeps it, since the bound lives in the (static) policy.
+    # ...ours keeps it, since the bound lives in the (static) scaler.
     ours = alj.DynamicLossScale(initial_scale=2.0**12, period=3, min_loss_scale=2.0**10)
     got = trajectory(ours, overflow_steps(5))
     assert got.loss_scale.tolist() == [2048, 1024, 1024, 1024, 1024]

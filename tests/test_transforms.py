@@ -253,13 +253,13 @@ def test_scale_state_errors_on_none_or_two():
 
 
 @pytest.mark.parametrize(
-    "policy",
+    "scaler",
     [optax.adam(1e-3), jmp.DynamicLossScale(jnp.float32(2.0**15)), 2.0**15, None],
     ids=["optax", "jmp", "float", "none"],
 )
-def test_unscale_refuses_non_policy(policy):
-    with pytest.raises(TypeError, match="policy"):
-        alj.unscale(policy)
+def test_unscale_refuses_non_scaler(scaler):
+    with pytest.raises(TypeError, match="scaler"):
+        alj.unscale(scaler)
 
 
 def test_checkpoint_mid_run_continues_bitwise(tmp_path):

@@ -22,20 +22,21 @@ DYNAMIC_PERIOD = 200
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    """``kind``: "policy" (a global scaler), "flax" (flax's DynamicScale) or "adaptive"."""
+    """``kind``: "global" (a global scaler), "adaptive", "flax" (flax's DynamicScale) or
+    "fp8-flax" (flax's fp8 dense layers)."""
 
     name: str
     description: str
     dtype: Any
     kind: str
     adaptive: dict | None = None  # keyword arguments of alj.adaptive()
-    make_policy: Callable[[], Any] = alj.no_scaling  # the global policy of kind "policy"
+    make_scaler: Callable[[], Any] = alj.no_scaling  # the scaler of kind "global"
 
-    def policy(self):
-        return self.make_policy()
-
-    def scaler(self) -> alj.AdaptiveScale:
-        return alj.adaptive(**self.adaptive)
+    def scaler(self) -> Any:
+        """The config's scaler: global (kind "global") or adaptive."""
+        if self.kind == "adaptive":
+            return alj.adaptive(**self.adaptive)
+        return self.make_scaler()
 
 
 def _ada(name, description, **kwargs) -> Config:
@@ -48,12 +49,12 @@ _E4M3 = {"grad_dtype": jnp.float8_e4m3fn, "simulate": True}
 CONFIGS: dict[str, Config] = {
     c.name: c
     for c in (
-        Config("fp32", "float32 compute, no scaling (the reference)", jnp.float32, "policy"),
+        Config("fp32", "float32 compute, no scaling (the reference)", jnp.float32, "global"),
         Config("bf16", "bfloat16 compute, no scaling (fp32's exponent range)", jnp.bfloat16,
-               "policy"),
-        Config("fp16-none", "float16 compute, no loss scaling", jnp.float16, "policy"),
+               "global"),
+        Config("fp16-none", "float16 compute, no loss scaling", jnp.float16, "global"),
         Config("fp16-dynamic", "float16, dynamic global scaling (alj.dynamic, period 200)",
-               jnp.float16, "policy", make_policy=lambda: alj.dynamic(
+               jnp.float16, "global", make_scaler=lambda: alj.dynamic(
                    initial_scale=DYNAMIC_START, period=DYNAMIC_PERIOD)),
         Config("fp16-flax", "float16, flax DynamicScale (growth_interval 199): the anchor",
                jnp.float16, "flax"),

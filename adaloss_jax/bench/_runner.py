@@ -107,8 +107,8 @@ class Runner:
 
         if kind in ("flax", "fp8-flax"):
             tx = inner
-        elif kind in ("policy", "adaptive"):
-            scaling = config.policy() if kind == "policy" else config.scaler()
+        elif kind in ("global", "adaptive"):
+            scaling = config.scaler()
             tx = _steps.scaled_tx(inner, scaling)
             vg = _steps.scaled_value_and_grad(loss_fn, scaling, has_aux=True)
         else:

@@ -1,6 +1,6 @@
 """One training step for either kind of scaler, so that every benchmark builds it alike.
 
-A global policy (``alj.dynamic()``, ``alj.no_scaling()``, ...) and an adaptive scaler
+A global scaler (``alj.dynamic()``, ``alj.no_scaling()``, ...) and an adaptive scaler
 (``alj.adaptive()``) differ in three places: the Optax chain, the gradient function
 (the adaptive one also returns statistics) and the ``tx.update`` keywords. These
 functions hide the difference.
@@ -18,7 +18,7 @@ import adaloss_jax as alj
 
 def scaled_tx(inner: optax.GradientTransformation, scaling: Any,
               axis_name: str | None = None) -> optax.GradientTransformation:
-    """``inner`` behind the unscale (and skip) of ``scaling``: a policy or an
+    """``inner`` behind the unscale (and skip) of ``scaling``: a scaler or an
     :class:`~adaloss_jax.AdaptiveScale`."""
     if isinstance(scaling, alj.AdaptiveScale):
         return optax.chain(alj.adaptive_unscale(scaling, axis_name=axis_name),

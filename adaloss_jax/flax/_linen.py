@@ -17,10 +17,10 @@ class TrainState(train_state.TrainState):
     """``flax.training.train_state.TrainState`` whose optimizer does loss scaling.
 
     Build it with ``TrainState.create(apply_fn=..., params=..., tx=optax.adamw(1e-3),
-    policy=adaloss_jax.dynamic())``: ``tx`` is wrapped as
-    ``loss_scaled(tx, policy)``. With ``policy=adaloss_jax.adaptive(...)`` it is wrapped
-    as ``chain(adaptive_unscale(policy), skip_nonfinite(tx))`` and :func:`train_step`
-    inserts the per-module scale points. Pass ``policy=None`` when ``tx`` already
+    scaler=adaloss_jax.dynamic())``: ``tx`` is wrapped as
+    ``loss_scaled(tx, scaler)``. With ``scaler=adaloss_jax.adaptive(...)`` it is wrapped
+    as ``chain(adaptive_unscale(scaler), skip_nonfinite(tx))`` and :func:`train_step`
+    inserts the per-module scale points. Pass ``scaler=None`` when ``tx`` already
     contains :func:`adaloss_jax.unscale`.
 
     ``apply_gradients(grads=scaled_grads, loss=loss)`` unscales, checks finiteness,
@@ -31,20 +31,22 @@ class TrainState(train_state.TrainState):
     adaptive: _adaptive.AdaptiveScale | None = struct.field(pytree_node=False, default=None)
 
     @classmethod
-    def create(cls, *, apply_fn, params, tx, policy=None, axis_name=None, **kwargs):
-        if isinstance(policy, _adaptive.AdaptiveScale):
+    def create(cls, *, apply_fn, params, tx, scaler=None, axis_name=None, policy=None,
+               **kwargs):
+        scaler = _policies.renamed(scaler, policy, "TrainState.create")
+        if isinstance(scaler, _adaptive.AdaptiveScale):
             tx = optax.chain(
-                _adaptive.adaptive_unscale(policy, axis_name=axis_name),
+                _adaptive.adaptive_unscale(scaler, axis_name=axis_name),
                 _transforms.skip_nonfinite(tx),
             )
             return super().create(
-                apply_fn=apply_fn, params=params, tx=tx, adaptive=policy, **kwargs
+                apply_fn=apply_fn, params=params, tx=tx, adaptive=scaler, **kwargs
             )
-        if policy is not None:
-            tx = _transforms.loss_scaled(tx, policy, axis_name=axis_name)
+        if scaler is not None:
+            tx = _transforms.loss_scaled(tx, scaler, axis_name=axis_name)
         elif axis_name is not None:
             raise ValueError(
-                "axis_name is only used together with policy=...; when tx already contains "
+                "axis_name is only used together with scaler=...; when tx already contains "
                 "adaloss_jax.unscale, pass axis_name to unscale() instead"
             )
         state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)

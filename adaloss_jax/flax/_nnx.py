@@ -16,28 +16,30 @@ from adaloss_jax.flax._nnx_adaptive import nnx_adaptive_value_and_grad
 def nnx_optimizer(
     model: nnx.Module,
     tx: optax.GradientTransformation,
-    policy: _policies.LossScalePolicy | None,
+    scaler: _policies.GlobalScaler | _adaptive.AdaptiveScale | None = None,
     *,
     wrt: Any = nnx.Param,
     axis_name: str | None = None,
+    policy: Any = None,
 ) -> nnx.Optimizer:
-    """``nnx.Optimizer(model, loss_scaled(tx, policy), wrt=wrt)``.
+    """``nnx.Optimizer(model, loss_scaled(tx, scaler), wrt=wrt)``.
 
-    With ``policy=adaloss_jax.adaptive(...)`` the optimizer is
-    ``chain(adaptive_unscale(policy), skip_nonfinite(tx))`` and :func:`nnx_train_step`
+    With ``scaler=adaloss_jax.adaptive(...)`` the optimizer is
+    ``chain(adaptive_unscale(scaler), skip_nonfinite(tx))`` and :func:`nnx_train_step`
     inserts per-module scale points (on a copy of the model; the model is not changed).
-    With ``policy=None``, ``tx`` must already contain :func:`adaloss_jax.unscale`.
+    With ``scaler=None``, ``tx`` must already contain :func:`adaloss_jax.unscale`.
     """
-    adaptive = isinstance(policy, _adaptive.AdaptiveScale)
+    scaler = _policies.renamed(scaler, policy, "nnx_optimizer")
+    adaptive = isinstance(scaler, _adaptive.AdaptiveScale)
     if adaptive:
         tx = optax.chain(
-            _adaptive.adaptive_unscale(policy, axis_name=axis_name),
+            _adaptive.adaptive_unscale(scaler, axis_name=axis_name),
             _transforms.skip_nonfinite(tx),
         )
-    elif policy is not None:
-        tx = _transforms.loss_scaled(tx, policy, axis_name=axis_name)
+    elif scaler is not None:
+        tx = _transforms.loss_scaled(tx, scaler, axis_name=axis_name)
     optimizer = nnx.Optimizer(model, tx, wrt=wrt)
-    optimizer.adaptive = policy if adaptive else None
+    optimizer.adaptive = scaler if adaptive else None
     nnx_scale_state(optimizer)  # fail now if tx has no unscale()
     return optimizer
 

@@ -14,7 +14,6 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import serialization
 
 
 def save_state(path: str | os.PathLike, tree: Any) -> None:
@@ -30,6 +29,8 @@ def save_state(path: str | os.PathLike, tree: Any) -> None:
     >>> float(load_state(path, state).loss_scale)
     1024.0
     """
+    from flax import serialization  # flax is a dependency; the core imports without it
+
     data = serialization.to_bytes(tree)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
@@ -114,6 +115,8 @@ def load_state(path: str | os.PathLike, template: Any) -> Any:
       ValueError: naming the first path at which the checkpoint's structure, shape or
         dtype differs from ``template``; nothing is restored in that case.
     """
+    from flax import serialization
+
     with open(os.fspath(path), "rb") as f:
         raw = serialization.msgpack_restore(f.read())
     expected = serialization.to_state_dict(template)

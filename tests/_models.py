@@ -84,14 +84,12 @@ class TinyGPT(nn.Module):
     def setup(self):
         self.embed = nn.Embed(256, self.d, dtype=self.dtype)
         self.block = GPTBlock(dtype=self.dtype)
-        self.other = GPTBlock(dtype=self.dtype)
         self.norm = nn.LayerNorm(dtype=self.dtype)
 
     def __call__(self, tokens, train=True):
         mask = nn.make_causal_mask(tokens)
         x = self.embed(tokens)
         x = self.block(x, mask)
-        x = self.other(x, mask)
         x = self.block(x, mask)  # the same block again: a reused module
         return self.embed.attend(self.norm(x))
 

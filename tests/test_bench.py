@@ -34,25 +34,23 @@ def _lines(path):
 def test_cli_end_to_end_and_resume(small_gpt, tmp_path, capsys):
     out = str(tmp_path / "res")
     argv = ["--tasks", "code-gpt", "--regimes", "tiny", "--configs",
-            "fp32,fp16-none,fp16-ada-module", "--seeds", "0", "--steps", str(STEPS),
-            "--out", out]
+            "fp32,fp16-ada-module", "--seeds", "0", "--steps", str(STEPS), "--out", out]
     assert _cli.main(argv) == 0
     rows = {r["config"]: r for r in _lines(os.path.join(out, "runs.jsonl"))}
-    assert sorted(rows) == ["fp16-ada-module", "fp16-none", "fp32"]
+    assert sorted(rows) == ["fp16-ada-module", "fp32"]
     for r in rows.values():
         assert [p["step"] for p in r["probes"]] == _runner.probe_steps(STEPS)
         assert len(r["loss_curve"]) == STEPS and np.isfinite(r["quality"])
         assert r["settings"] == "test-gpt-1x32"
     assert rows["fp32"]["final_underflow"] == 0.0  # fp32 against itself flushes nothing
-    # Tiny regime without scaling: fp16 flushes (most) gradients; the adaptive scaler's
-    # first step flushes everything at scale 1, is skipped, and its scales jump.
-    assert rows["fp16-none"]["final_underflow"] > 0.5
+    # Tiny regime: the adaptive scaler's first step flushes everything at scale 1 (as
+    # fp16 without scaling would), is skipped, and its scales jump.
     ada = rows["fp16-ada-module"]
     assert ada["probes"][0]["underflow"] == 1.0 and ada["applied_curve"][0] is False
-    assert ada["final_underflow"] < rows["fp16-none"]["final_underflow"]
+    assert ada["final_underflow"] < 0.5
     assert len(ada["group_log2_scales"]) > 1 and ada["final_log2_scale"] > 20
     with open(os.path.join(out, "results.csv")) as f:
-        assert len(f.read().strip().splitlines()) == 4
+        assert len(f.read().strip().splitlines()) == 3
     report = open(os.path.join(out, "report.md")).read()
     for c in rows:
         assert f"| {c} |" in report
@@ -62,8 +60,8 @@ def test_cli_end_to_end_and_resume(small_gpt, tmp_path, capsys):
 
     # Finished runs are not rerun.
     assert _cli.main(argv) == 0
-    assert "0 runs to do (3 already" in capsys.readouterr().err
-    assert len(_lines(os.path.join(out, "runs.jsonl"))) == 3
+    assert "0 runs to do (2 already" in capsys.readouterr().err
+    assert len(_lines(os.path.join(out, "runs.jsonl"))) == 2
 
 
 def test_tiny_regime_leaves_fp32_unchanged(small_gpt):
@@ -217,7 +215,11 @@ def test_progress_without_terminal():
 @pytest.mark.skipif(not os.path.isdir(_data.FASHION_MNIST_DIR),
                     reason="dataset-fashion-mnist is not installed")
 def test_resnet_with_batchnorm_under_adaptive_scaling():
-    task = _tasks.TASKS["fmnist-resnet"]
+    # The bench's ResNet with one narrow stage: the same stem, BatchNorm and residual
+    # block, a shorter compile.
+    task = dataclasses.replace(
+        _tasks.TASKS["fmnist-resnet"],
+        make_model=lambda dtype, dg: _models.ResNet(widths=(4,), dtype=dtype))
     # Global adaptive scaling: what is tested is BatchNorm state around a skipped step;
     # per-module scaling with BatchNorm is covered by tests/test_stream_property.py.
     runner = _runner.Runner(task, _configs.CONFIGS["fp16-ada-global"], "tiny", 3)

@@ -15,18 +15,20 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, Any, NamedTuple
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from adaloss_jax import _formats, _transforms, _validation
 from adaloss_jax.numerics import _taps
 from adaloss_jax.numerics._stats import tensor_stats
 from adaloss_jax.numerics._table import ProbeRow
+
+if TYPE_CHECKING:  # flax is needed only by the linen and NNX probes, imported there
+    import flax.linen as nn
+    from flax import nnx
 
 
 class ProbeGrads(NamedTuple):
@@ -402,6 +404,8 @@ def linen_probe(
 
 
 def _nnx_fp32_graphdef(model: nnx.Module):
+    from flax import nnx
+
     copy = nnx.clone(model)
     changed = False
     for _, sub in nnx.iter_graph(copy):
@@ -442,6 +446,8 @@ def nnx_probe(
         with every submodule's ``dtype`` attribute set to float32.
       filter: ``(module_path, module) -> bool`` selecting the tapped modules.
     """
+    from flax import nnx
+
     dtypes = {getattr(sub, "dtype", None) for _, sub in nnx.iter_graph(model)
               if isinstance(sub, nnx.Module)}
     fmt = _infer_fmt(dtypes, fmt, "model")

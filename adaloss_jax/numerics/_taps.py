@@ -22,10 +22,8 @@ from typing import Any
 
 import jax
 import jax.numpy as jnp
-from flax import nnx
 
 from adaloss_jax import _adaptive, _points, _stream, _swap
-from adaloss_jax.flax import _linen_hook, _nnx_adaptive
 
 ROOT = _stream.ROOT
 
@@ -86,7 +84,7 @@ def taps(leaf_tap: LeafTap, filter: ModuleFilter | None = None) -> Iterator[None
       filter: ``(module_path, module) -> bool`` (``module`` is None for a
         ``scale_group`` function); all calls when None.
     """
-    with Taps(leaf_tap, filter), _linen_hook.intercept():
+    with Taps(leaf_tap, filter), _adaptive._Hooks(_adaptive._front_end_hooks(), None):
         yield
 
 
@@ -95,7 +93,7 @@ linen_taps = taps
 
 @contextlib.contextmanager
 def nnx_taps(
-    model: nnx.Module, leaf_tap: LeafTap, filter: ModuleFilter | None = None
+    model: Any, leaf_tap: LeafTap, filter: ModuleFilter | None = None
 ) -> Iterator[None]:
     """Taps the outputs of ``model``'s submodules (and its own) within the context.
 
@@ -103,6 +101,8 @@ def nnx_taps(
     never on the user's live model: within the context the copy's modules have the
     reporting subclass of :mod:`adaloss_jax._swap` (their classes are restored on exit).
     """
+    from adaloss_jax.flax import _nnx_adaptive
+
     swapped = _swap.install(_nnx_adaptive._modules(model), _nnx_adaptive._BASE_NAMES)
     try:
         with Taps(leaf_tap, filter):

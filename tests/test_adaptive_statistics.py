@@ -124,7 +124,7 @@ def test_quantile_measured_at_the_group_scale():
     assert float(got) == _reference(c, 5)[0]
 
 
-@pytest.mark.parametrize("name", ["resnet", "gpt_tied_reused_attention"])
+@pytest.mark.parametrize("name", ["gpt_tied_reused_attention"])
 def test_quantile_statistic_keeps_fp32_gradients_exact(name):
     """Per-module scales drawn at random: the histogram channel changes no gradient."""
     _, params, loss_fn, batch = _setup(name, jnp.float32)

@@ -89,19 +89,29 @@ def _binade_hist(cts: tuple[jax.Array, ...], lo: int) -> jax.Array:
 def _stats(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig) -> jax.Array:
     """The statistics row of the arriving cotangents ``cts``.
 
-    One read of each cotangent: non-finite elements enter the max as inf (not
-    ``max(|ct|)`` alone: XLA's CPU max reduction can drop a NaN), so the max alone also
-    answers "all finite?". ``bad_x`` says whether the conversion by ``ratio`` overflowed
-    the format (the power-of-two product is exact in fp32).
+    The magnitude maximum is ``max(max(ct), -min(ct))``: two reductions straight over
+    the cotangent, with no elementwise op in front of them. XLA's CPU backend does not
+    fuse an elementwise producer into a reduction, so ``max(|ct|)`` (or a mask of the
+    non-finite elements) materialised a temporary the size of the cotangent at every
+    point: extra memory and an extra write and read. Infinities always reach the two
+    reductions; NaN and inf both end as ``amax = inf``, so the max alone answers "all
+    finite?". A NaN alone can be dropped by XLA's CPU reductions (its large fp32 max
+    does): such a NaN came from an inf earlier in the backward pass, which a point
+    upstream saw, and it reaches the parameter gradients, whose finiteness
+    :func:`adaloss_jax.adaptive_unscale` checks element by element (the skip decision
+    never rests on these rows alone). ``bad_x`` says whether the conversion by
+    ``ratio`` overflowed the format (the power-of-two product is exact in fp32).
     """
     amax = jnp.zeros((), jnp.float32)
     sumsq = jnp.zeros((), jnp.float32)
     for ct in cts:
-        mag = jnp.where(jnp.isfinite(ct), jnp.abs(ct), jnp.asarray(jnp.inf, ct.dtype))
-        amax = jnp.maximum(amax, jnp.max(mag, initial=0).astype(jnp.float32))
+        hi = jnp.max(ct, initial=-jnp.inf).astype(jnp.float32)
+        lo = jnp.min(ct, initial=jnp.inf).astype(jnp.float32)
+        amax = jnp.maximum(amax, jnp.maximum(hi, -lo))
         if cfg.sumsq:
             c = ct.astype(jnp.float32)
             sumsq = sumsq + jnp.sum(c * c)
+    amax = jnp.where(jnp.isnan(amax), jnp.inf, amax)
     bad_y = jnp.logical_not(amax <= cfg.y_max)
     bad_x = jnp.logical_not(amax * ratio <= cfg.x_max)
     count = jnp.float32(sum(ct.size for ct in cts))

@@ -434,6 +434,37 @@ def test_a_nan_in_a_large_gradient_leaf_is_an_overflow():
     assert float(new.log2_scales[""]) == 10 - 4  # backed off, not grown
 
 
+def test_a_nan_only_cotangent_in_a_large_fp32_tensor_skips_the_step():
+    """The scale points' statistics reduce straight over the cotangent, and XLA's CPU
+    fp32 max reduction drops a NaN: a NaN that appears only in the backward pass (0 * inf
+    of a masked sqrt, in a 512k-element fp32 activation) must still skip the step and
+    leave the parameters as they were."""
+    a = alj.scale_group("a")(lambda p, x: x * p["w"])
+    b = alj.scale_group("b")(lambda p, x: x * p["w"])
+
+    def loss_fn(p, x):
+        h = a(p["a"], x)
+        h = jnp.where(h > 0, jnp.sqrt(jnp.maximum(h, 0.0)), 0.0)  # NaN cotangent where h == 0
+        return jnp.mean(b(p["b"], h))
+
+    params = {"a": {"w": jnp.ones(())}, "b": {"w": jnp.ones(())}}
+    x = jnp.ones((8, 128, 512)).at[3, 4, 5].set(0.0)
+    scaler = alj.adaptive(groups="module")
+    tx = alj.adaptive_scaled(optax.sgd(0.1), scaler)
+
+    @jax.jit
+    def step(params, state):
+        loss, g, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(state, params, x)
+        u, state = tx.update(g, state, params, loss=loss, scale_stats=stats)
+        return optax.apply_updates(params, u), state, g
+
+    new, state, g = step(params, tx.init(params))
+    assert np.isnan(float(g["a"]["w"]))  # the NaN reached a parameter gradient
+    assert not bool(alj.adaptive_state(state).base.last_applied)
+    for u, v in zip(jax.tree_util.tree_leaves(new), jax.tree_util.tree_leaves(params)):
+        assert float(u) == float(v)
+
+
 class _Twice(nn.Module):
     @nn.compact
     def __call__(self, x1, x2):

@@ -105,8 +105,9 @@ def _stats(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig) -> jax.Array:
     amax = jnp.zeros((), jnp.float32)
     sumsq = jnp.zeros((), jnp.float32)
     for ct in cts:
-        hi = jnp.max(ct, initial=-jnp.inf).astype(jnp.float32)
-        lo = jnp.min(ct, initial=jnp.inf).astype(jnp.float32)
+        big = float(jnp.finfo(ct.dtype).max)  # not inf: e4m3fn has none
+        hi = jnp.max(ct, initial=-big).astype(jnp.float32)
+        lo = jnp.min(ct, initial=big).astype(jnp.float32)
         amax = jnp.maximum(amax, jnp.maximum(hi, -lo))
         if cfg.sumsq:
             c = ct.astype(jnp.float32)

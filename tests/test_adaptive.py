@@ -465,6 +465,35 @@ def test_a_nan_only_cotangent_in_a_large_fp32_tensor_skips_the_step():
         assert float(u) == float(v)
 
 
+def test_fp8_typed_cotangents_are_measured():
+    """A group whose output is stored in float8_e4m3fn (no inf in the format) gets fp8
+    cotangents at its scale point; they are measured like any other (no false
+    overflow), and training steps apply."""
+    a = alj.scale_group("a")(lambda p, x: (x @ p["w"]).astype(jnp.float8_e4m3fn))
+
+    def loss_fn(p, x):
+        return jnp.mean(a(p["a"], x).astype(jnp.float32) ** 2) * 2.0**-8
+
+    params = {"a": {"w": jnp.full((4, 4), 0.25)}}
+    scaler = alj.adaptive(groups="module", grad_dtype="float8_e4m3fn")
+    tx = alj.adaptive_scaled(optax.sgd(0.1), scaler)
+
+    @jax.jit
+    def step(params, state):
+        loss, g, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(state, params,
+                                                                      jnp.ones((8, 4)))
+        u, state = tx.update(g, state, params, loss=loss, scale_stats=stats)
+        return optax.apply_updates(params, u), state
+
+    state = tx.init(params)
+    applied = []
+    for _ in range(4):
+        params, state = step(params, state)
+        applied.append(bool(alj.adaptive_state(state).base.last_applied))
+    assert all(applied[1:]), applied
+    assert not bool(alj.adaptive_state(state).overflowed["a"])
+
+
 class _Twice(nn.Module):
     @nn.compact
     def __call__(self, x1, x2):

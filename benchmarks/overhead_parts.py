@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import functools
 import os
 import statistics
 import sys
@@ -35,35 +34,14 @@ from underflow_table import GPT  # noqa: E402
 from adaloss_jax import _points  # noqa: E402
 
 
-def _patched_point(stats: bool, convert: bool):
-    @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-    def point(cfg, xs, ratio, dummy):
-        del ratio, dummy
-        return xs
-
-    def fwd(cfg, xs, ratio, dummy):
-        del dummy
-        return xs, ratio
-
-    def bwd(cfg, ratio, cts):
-        out = cts
-        if convert and cfg.convert:
-            out = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
-        if not cfg.measure:
-            return out, jnp.zeros_like(ratio), None
-        if stats:
-            row = _points._stats(cts, ratio, cfg)
-        else:
-            row = jnp.zeros((_points.width(cfg.hist_lo is not None),), jnp.float32)
-            row = row.at[0].set(1.0)
-        return out, jnp.zeros_like(ratio), row
-
-    point.defvjp(fwd, bwd)
-    return point
+def _constant_row(cts, ratio, cfg):
+    """A statistics row that reads nothing: amax 1, everything else 0."""
+    del cts, ratio
+    return jnp.zeros((_points.width(cfg.hist_lo is not None),), jnp.float32).at[0].set(1.0)
 
 
-VARIANTS = {  # name: (statistics on, conversion on); None: as shipped
-    "adaptive": None,
+VARIANTS = {  # name: (statistics on, conversion on)
+    "adaptive": (True, True),
     "no-stats": (False, True),
     "no-convert": (True, False),
     "bare-points": (False, False),
@@ -72,16 +50,18 @@ VARIANTS = {  # name: (statistics on, conversion on); None: as shipped
 
 @contextlib.contextmanager
 def variant(name):
-    parts = VARIANTS.get(name)
-    if parts is None:
-        yield
-        return
-    saved = _points._scale_point
-    _points._scale_point = _patched_point(*parts)
+    """The library's own scale point with parts switched off while tracing: the
+    statistics row replaced by a constant, or every point built with ``convert=False``."""
+    stats, convert = VARIANTS[name]
+    point, row = _points._scale_point, _points._stats
+    if not convert:
+        _points._scale_point = lambda cfg, *a: point(cfg._replace(convert=False), *a)
+    if not stats:
+        _points._stats = _constant_row
     try:
         yield
     finally:
-        _points._scale_point = saved
+        _points._scale_point, _points._stats = point, row
 
 
 def main(argv=None) -> int:
@@ -99,7 +79,7 @@ def main(argv=None) -> int:
     runs = {}
     for name in ["dynamic", *VARIANTS]:
         config = "dynamic" if name == "dynamic" else "adaptive"
-        with variant(name):
+        with variant(name) if name in VARIANTS else contextlib.nullcontext():
             tx, step = build_step(config, model, params)
             state = tx.init(params)
             compiled = jax.jit(step).lower(params, state, data).compile()

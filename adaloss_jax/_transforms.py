@@ -129,8 +129,7 @@ def unscale(
     >>> updates["w"].tolist(), bool(scale_state(state).last_applied)
     ([-1.0, -2.0], True)
     """
-    if not isinstance(scaler, _policies.NoLossScale | _policies.StaticLossScale |
-                      _policies.DynamicLossScale):
+    if not isinstance(scaler, _policies.GlobalScaler):
         raise TypeError(
             f"scaler must be a global scaler from adaloss_jax.dynamic(), static() or "
             f"no_scaling(), got {scaler!r} of type {type(scaler).__name__} (an "

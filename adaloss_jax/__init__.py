@@ -3,6 +3,7 @@
 from adaloss_jax._adaptive import (
     AdaptiveScale,
     AdaptiveScaleState,
+    GroupVector,
     ScaleStats,
     adaptive,
     adaptive_scaled,
@@ -57,6 +58,7 @@ __all__ = [
     "check_gradients",
     "AdaptiveScale",
     "AdaptiveScaleState",
+    "GroupVector",
     "adaptive",
     "adaptive_scaled",
     "adaptive_state",

@@ -68,7 +68,7 @@ import dataclasses
 import inspect
 import math
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from typing import Any, NamedTuple
 
 import jax
@@ -234,6 +234,67 @@ adaptive.__signature__ = inspect.signature(AdaptiveScale).replace(
     return_annotation="AdaptiveScale")
 
 
+class GroupVector(Mapping):
+    """One value per scale group, held as one array: ``v["Dense_0"]`` reads a group's
+    value, iteration gives the group names (a read-only ``Mapping``).
+
+    A pytree with one leaf, ``array`` (the names are static). The fields that only
+    :func:`adaptive_unscale` reads, and reads for all groups at once, are held this
+    way: as ``{group: scalar}`` every group's value is an output of the compiled step
+    of its own, a kernel that XLA compiles separately for each group (its index in the
+    vector differs), which grew compile time by about 10 ms per group and field. The
+    scales stay ``{group: scalar}``: the backward pass reads them one by one, and a read
+    from a vector at a constant index makes each reading kernel unique instead.
+    """
+
+    __slots__ = ("names", "array")
+
+    def __init__(self, names, values):
+        self.names = tuple(names)
+        self.array = values
+
+    def _index(self, name):
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise KeyError(name) from None
+
+    def __getitem__(self, name):
+        return self.array[self._index(name)]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+    def __repr__(self):
+        return f"GroupVector(names={self.names!r}, array={self.array!r})"
+
+    def take(self, names) -> jax.Array:
+        """The values of ``names``, in that order, as one vector."""
+        names = tuple(names)
+        if names == self.names:
+            return jnp.asarray(self.array)
+        return jnp.asarray(self.array)[jnp.asarray([self._index(g) for g in names], jnp.int32)]
+
+    def replace(self, names, values) -> GroupVector:
+        """A copy with the groups ``names`` set to ``values`` (a vector in that order)."""
+        names = tuple(names)
+        if names == self.names:
+            return GroupVector(self.names, values)
+        idx = jnp.asarray([self._index(g) for g in names], jnp.int32)
+        return GroupVector(self.names, jnp.asarray(self.array).at[idx].set(values))
+
+
+jax.tree_util.register_pytree_with_keys(
+    GroupVector,
+    lambda v: (((jax.tree_util.GetAttrKey("array"), v.array),), v.names),
+    lambda names, children: GroupVector(names, children[0]),
+    flatten_func=lambda v: ((v.array,), v.names),
+)
+
+
 class AdaptiveScaleState(NamedTuple):
     """State of :func:`adaptive_unscale`.
 
@@ -242,9 +303,10 @@ class AdaptiveScaleState(NamedTuple):
         is multiplied by) and its counters count applied and skipped steps exactly as the
         global scalers do.
       log2_scales: ``{group: fp32 scalar}``, ``s_k`` of each group.
-      log2_amax: ``{group: fp32 scalar}``, ``log2`` of the group's unit-scale amax at the
-        last step (``-inf`` when nothing was measured).
-      overflowed: ``{group: bool}``, whether the group was non-finite at the last step.
+      log2_amax: a :class:`GroupVector` (reads as ``{group: fp32 scalar}``), ``log2`` of
+        the group's unit-scale amax at the last step (``-inf`` when nothing was measured).
+      overflowed: a :class:`GroupVector` (reads as ``{group: bool}``), whether the group
+        was non-finite at the last step.
       health: int32 bit set, 0 when all is well: ``HEALTH_SKIPPING`` (at least
         ``max_consecutive_skips`` skipped steps in a row), ``HEALTH_PINNED_LOW`` (a group
         overflowed at ``min_scale``: backing off cannot help), ``HEALTH_NOTHING_MEASURED``
@@ -257,8 +319,8 @@ class AdaptiveScaleState(NamedTuple):
 
     base: LossScaleState
     log2_scales: dict
-    log2_amax: dict
-    overflowed: dict
+    log2_amax: GroupVector
+    overflowed: GroupVector
     health: jax.Array
     structure: dict = {}  # never mutated
 
@@ -518,25 +580,28 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
 def _anchor_scales(log2: dict, pairs) -> tuple[dict, dict]:
     """The log2 scale of every anchor set (the min over it) and the ratio of every
     ``(x, y)`` pair, built once per step outside the model (a value built inside a
-    lifted transform such as ``nn.scan`` must not leak out of it)."""
+    lifted transform such as ``nn.scan`` must not leak out of it).
+
+    A set's min is computed once (:func:`_transforms.min_once`) from the largest smaller
+    set already computed inside it and the groups it adds: along a residual stream the
+    anchor sets grow by a block's groups per layer, so each layer's min has the same
+    shape (compiled once) instead of a chain over every group below it, copied by XLA
+    into each consumer and different in every layer.
+    """
     sigma: dict = {}
-
-    def sig(a):
-        if a not in sigma:
-            v = log2[a[0]]
-            for g in a[1:]:
-                v = jnp.minimum(v, log2[g])
-            sigma[a] = v
-        return sigma[a]
-
-    for x, y in pairs:
-        sig(x), sig(y)
+    for a in sorted({a for pair in pairs for a in pair}, key=len):
+        if len(a) == 1:
+            sigma[a] = log2[a[0]]
+            continue
+        inner = max((t for t in sigma if 1 < len(t) < len(a) and set(t) <= set(a)),
+                    key=len, default=())
+        sigma[a] = _transforms.min_once(
+            ([sigma[inner]] if inner else []) + [log2[g] for g in a if g not in inner])
     # S_x / S_y as a quotient of the two powers of two: exact, and XLA computes a
-    # division once, as its own small kernel, where it would copy ``pow2(sx - sy)`` (a
-    # few scalar ops and the min over each anchor set, which grows with depth along a
-    # residual stream) into every kernel that converts a cotangent. Those kernels then
-    # differ only in the buffer they read the ratio from, and identical kernels (one
-    # per layer) are compiled once: compile time stays linear in depth.
+    # division once, as its own small kernel, where it would copy ``pow2(sx - sy)`` into
+    # every kernel that converts a cotangent. Those kernels then differ only in the
+    # buffer they read the ratio from, and identical kernels (one per layer) are
+    # compiled once: compile time stays linear in depth.
     ratios = {(x, y): pow2(sigma[x]) / pow2(sigma[y]) for x, y in pairs if x != y}
     return sigma, ratios
 
@@ -574,6 +639,8 @@ def _combine(an: _Analysis, row_stats: list, limits: list, log2: dict, sigma: di
         return ScaleStats(used, z, {g: jnp.asarray(False) for g in groups}, z, z, hist,
                           jnp.asarray(False))
     m = jnp.stack(row_stats)
+    amax_col = m[:, _points._AMAX]  # a NaN reads as inf (see _points._stats)
+    m = m.at[:, _points._AMAX].set(jnp.where(jnp.isnan(amax_col), jnp.inf, amax_col))
     # Attributions: each row counts for every group anchoring either of its sides, at
     # that group's scale (the row was measured at the scale of its y side).
     e_row, e_grp, e_set, e_lim = [], [], [], []
@@ -807,8 +874,8 @@ def adaptive_unscale(
         return AdaptiveScaleState(
             base=_policies._initial_state(scaler.initial_scale, 1),
             log2_scales={g: f32(s0) for g in groups},
-            log2_amax={g: f32(-jnp.inf) for g in groups},
-            overflowed={g: jnp.asarray(False) for g in groups},
+            log2_amax=GroupVector(groups, jnp.full((len(groups),), -jnp.inf, jnp.float32)),
+            overflowed=GroupVector(groups, jnp.zeros((len(groups),), jnp.bool_)),
             health=jnp.zeros((), jnp.int32),
             structure={_fingerprint(params): jnp.zeros((), jnp.int8)},
         )
@@ -880,13 +947,13 @@ def adaptive_unscale(
 
         used_v = vec(used, jnp.float32)
         log2_v = vec(log2, jnp.float32)
-        prev_amax = vec(state.log2_amax, jnp.float32)
+        prev_amax = state.log2_amax.take(active).astype(jnp.float32)
         # Consecutive overflows back off exponentially harder: backoff * 2**skips_in_a_row,
         # for a group that overflowed at the previous step too. A group blamed for the
         # first time backs off by `backoff` alone, however many steps other groups had
         # skipped: else skips blaming one group after another dropped each newly blamed
         # group by 16 * backoff (docs/results.md section 8).
-        repeat = vec(state.overflowed, jnp.bool_)
+        repeat = state.overflowed.take(active)
         drop = scaler.backoff * jnp.where(
             repeat, pow2(jnp.minimum(state.base.notfinite_count, 4)), 1.0)
         # Recompute from statistics when the applied steps so far are a multiple of
@@ -947,11 +1014,11 @@ def adaptive_unscale(
         )
         # A non-finite loss (forward overflow) is no reason to move any scale.
         new_log2_v = jnp.where(loss_finite, new_log2_v, log2_v)
-        new_log2, new_amax, new_bad = dict(log2), dict(state.log2_amax), dict(state.overflowed)
+        new_log2 = dict(log2)
         for g, i in gi.items():
             new_log2[g] = new_log2_v[i]
-            new_amax[g] = new_amax_v[i]
-            new_bad[g] = bad[i]
+        new_amax = state.log2_amax.replace(active, new_amax_v)
+        new_bad = state.overflowed.replace(active, bad)
         # A step where everything flushed to zero carries no information: skip it (the
         # blind jump above has already raised the scales).
         base = _policies._count(state.base, grads_finite & informative, loss_finite)

@@ -16,6 +16,21 @@ import jax.numpy as jnp
 import numpy as np
 
 
+def _serialization():
+    """flax's serialization module, with the library's own pytree types registered."""
+    from flax import serialization  # flax is a dependency; the core imports without it
+
+    from adaloss_jax._adaptive import GroupVector
+
+    if GroupVector not in serialization._STATE_DICT_REGISTRY:
+        serialization.register_serialization_state(
+            GroupVector,
+            lambda v: {"array": v.array},
+            lambda v, d: GroupVector(v.names, serialization.from_state_dict(v.array, d["array"])),
+        )
+    return serialization
+
+
 def save_state(path: str | os.PathLike, tree: Any) -> None:
     """Writes ``tree`` (params, an optimizer state, a TrainState, ...) to ``path``.
 
@@ -29,9 +44,7 @@ def save_state(path: str | os.PathLike, tree: Any) -> None:
     >>> float(load_state(path, state).loss_scale)
     1024.0
     """
-    from flax import serialization  # flax is a dependency; the core imports without it
-
-    data = serialization.to_bytes(tree)
+    data = _serialization().to_bytes(tree)
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".adaloss_ckpt_")
@@ -115,8 +128,7 @@ def load_state(path: str | os.PathLike, template: Any) -> Any:
       ValueError: naming the first path at which the checkpoint's structure, shape or
         dtype differs from ``template``; nothing is restored in that case.
     """
-    from flax import serialization
-
+    serialization = _serialization()
     with open(os.fspath(path), "rb") as f:
         raw = serialization.msgpack_restore(f.read())
     expected = serialization.to_state_dict(template)

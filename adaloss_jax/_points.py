@@ -94,27 +94,36 @@ def _stats(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig) -> jax.Array:
     fuse an elementwise producer into a reduction, so ``max(|ct|)`` (or a mask of the
     non-finite elements) materialised a temporary the size of the cotangent at every
     point: extra memory and an extra write and read. Infinities always reach the two
-    reductions; NaN and inf both end as ``amax = inf``, so the max alone answers "all
-    finite?". A NaN alone can be dropped by XLA's CPU reductions (its large fp32 max
-    does): such a NaN came from an inf earlier in the backward pass, which a point
-    upstream saw, and it reaches the parameter gradients, whose finiteness
+    reductions. A NaN may reach ``amax`` as it is (:func:`adaloss_jax._adaptive._combine`
+    reads it as inf, once for all rows) or be dropped by XLA's CPU reductions (its large
+    fp32 max does): such a NaN came from an inf earlier in the backward pass, which a
+    point upstream saw, and it reaches the parameter gradients, whose finiteness
     :func:`adaloss_jax.adaptive_unscale` checks element by element (the skip decision
-    never rests on these rows alone). ``bad_x`` says whether the conversion by
-    ``ratio`` overflowed the format (the power-of-two product is exact in fp32).
+    never rests on these rows alone). ``bad_y``/``bad_x`` say whether the value, or its
+    conversion by ``ratio``, exceeded the format (NaN included: the comparisons are
+    negated; the power-of-two product is exact in fp32).
+
+    Each op here is repeated at every point of the program, so nothing is computed that
+    is the same for every point (the row's constants) or known at trace time (``bad_x``
+    is ``bad_y`` where nothing converts or rounds).
     """
-    amax = jnp.zeros((), jnp.float32)
+    amax = None
     sumsq = jnp.zeros((), jnp.float32)
     for ct in cts:
-        big = float(jnp.finfo(ct.dtype).max)  # not inf: e4m3fn has none
-        hi = jnp.max(ct, initial=-big).astype(jnp.float32)
-        lo = jnp.min(ct, initial=big).astype(jnp.float32)
-        amax = jnp.maximum(amax, jnp.maximum(hi, -lo))
+        if ct.size == 0:
+            continue
+        a = jnp.maximum(jnp.max(ct).astype(jnp.float32), -jnp.min(ct).astype(jnp.float32))
+        amax = a if amax is None else jnp.maximum(amax, a)
         if cfg.sumsq:
             c = ct.astype(jnp.float32)
             sumsq = sumsq + jnp.sum(c * c)
-    amax = jnp.where(jnp.isnan(amax), jnp.inf, amax)
+    if amax is None:
+        amax = jnp.zeros((), jnp.float32)
     bad_y = jnp.logical_not(amax <= cfg.y_max)
-    bad_x = jnp.logical_not(amax * ratio <= cfg.x_max)
+    if cfg.convert or cfg.x_max != cfg.y_max:
+        bad_x = jnp.logical_not(amax * ratio <= cfg.x_max)
+    else:
+        bad_x = bad_y
     count = jnp.float32(sum(ct.size for ct in cts))
     parts = [jnp.stack([amax, sumsq, count, bad_y.astype(jnp.float32),
                         bad_x.astype(jnp.float32), jnp.float32(1.0)])]

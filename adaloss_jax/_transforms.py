@@ -31,24 +31,31 @@ from adaloss_jax import _policies
 from adaloss_jax._policies import LossScaleState
 
 
-def all_of(flags: Sequence[jax.Array]) -> jax.Array:
-    """The AND of boolean scalars, computed once in the compiled program.
+def min_once(values: Sequence[jax.Array]) -> jax.Array:
+    """The min of scalars, computed once in the compiled program.
 
-    Not ``f0 & f1 & ...`` (nor a reduction of their stack, which XLA rewrites into that
-    chain): XLA copies a chain of scalar ops into every fusion that reads its result,
-    and a skip decision is read once per parameter leaf (its ``where``), so the program
-    grew quadratically with the number of leaves, and the fusions, each with its own
-    copy, could no longer share compiled kernels. A scatter into one slot is computed
-    once and read as a scalar.
+    Not ``minimum(v0, minimum(v1, ...))`` (nor a reduction of their stack, which XLA
+    rewrites into that chain): XLA copies a chain of scalar ops into every fusion that
+    reads its result, so a value read in many places (a skip decision, read once per
+    parameter leaf; a scale read by every conversion along a residual stream) grew the
+    program quadratically, and the fusions, each with its own copy, could no longer
+    share compiled kernels. A scatter into one slot is computed once and read as a
+    scalar.
     """
-    flags = [jnp.asarray(f, jnp.bool_) for f in flags]
+    v = jnp.stack([jnp.asarray(x) for x in values])
+    if v.shape[0] == 1:
+        return v[0]
+    return jax.ops.segment_min(v, jnp.zeros(v.shape, jnp.int32), 1, indices_are_sorted=True)[0]
+
+
+def all_of(flags: Sequence[jax.Array]) -> jax.Array:
+    """The AND of boolean scalars, computed once in the compiled program
+    (:func:`min_once`)."""
     if not flags:
         return jnp.asarray(True)
     if len(flags) == 1:
-        return flags[0]
-    v = jnp.stack(flags).astype(jnp.int32)
-    return jax.ops.segment_min(v, jnp.zeros(v.shape, jnp.int32), 1,
-                               indices_are_sorted=True)[0] > 0
+        return jnp.asarray(flags[0], jnp.bool_)
+    return min_once([jnp.asarray(f, jnp.bool_).astype(jnp.int32) for f in flags]) > 0
 
 
 def all_finite(tree: Any, *, axis_name: str | None = None) -> jax.Array:

@@ -586,6 +586,35 @@ def test_scale_summary_is_plain_data():
     assert lo <= med <= hi and lo == min(v for g, v in groups.items() if g)
 
 
+def test_group_vector_reads_as_a_mapping_and_is_one_leaf():
+    """The per-group statistics of the state are one array each (one output of the
+    compiled step, not one per group), read by group name."""
+    v = alj.GroupVector(("", "a", "b"), jnp.array([1.0, 2.0, 3.0]))
+    assert list(v) == ["", "a", "b"] and len(v) == 3 and float(v["b"]) == 3.0
+    assert dict(v.items()).keys() == {"", "a", "b"}
+    with pytest.raises(KeyError):
+        v["c"]
+    np.testing.assert_array_equal(v.take(["b", ""]), [3.0, 1.0])
+    w = jax.jit(lambda v: v.replace(["b", ""], jnp.array([9.0, 7.0])))(v)
+    assert isinstance(w, alj.GroupVector) and w.names == v.names
+    np.testing.assert_array_equal(w.array, [7.0, 2.0, 9.0])
+    np.testing.assert_array_equal(v.array, [1.0, 2.0, 3.0])
+    assert float(jax.tree_util.tree_map(lambda x: 2 * x, v)["a"]) == 4.0
+
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    scaler = alj.adaptive(groups="module")
+    step, state = _grads_through(scaler, loss16, params, batch)
+    _, state, _ = step(state, params, *batch)
+    ad = alj.adaptive_state(state)
+    groups = alj.param_groups(params, scaler)
+    for field in (ad.log2_amax, ad.overflowed):
+        assert isinstance(field, alj.GroupVector) and list(field) == groups
+        (leaf,) = jax.tree_util.tree_leaves(field)
+        assert leaf.shape == (len(groups),)
+    assert all(np.isfinite(float(ad.log2_amax[g])) for g in groups if g)
+    assert not any(bool(b) for b in ad.overflowed.values())
+
+
 @pytest.mark.parametrize("dtype, margin", [
     ("float16", 4), ("float8_e5m2", 4), ("float8_e4m3fn", 2),
 ], ids=["fp16", "e5m2", "e4m3"])

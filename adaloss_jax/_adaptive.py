@@ -1014,6 +1014,9 @@ def adaptive_unscale(
         )
         # A non-finite loss (forward overflow) is no reason to move any scale.
         new_log2_v = jnp.where(loss_finite, new_log2_v, log2_v)
+        # Each group's scale is an output of its own (the backward pass reads them one
+        # by one): slices of a vector computed once, not each a copy of the update.
+        new_log2_v = _transforms.vector_once(new_log2_v)
         new_log2 = dict(log2)
         for g, i in gi.items():
             new_log2[g] = new_log2_v[i]

@@ -242,9 +242,9 @@ class GroupVector(Mapping):
     :func:`adaptive_unscale` reads, and reads for all groups at once, are held this
     way: as ``{group: scalar}`` every group's value is an output of the compiled step
     of its own, a kernel that XLA compiles separately for each group (its index in the
-    vector differs), which grew compile time by about 10 ms per group and field. The
-    scales stay ``{group: scalar}``: the backward pass reads them one by one, and a read
-    from a vector at a constant index makes each reading kernel unique instead.
+    vector differs; docs/results.md section 5). The scales stay ``{group: scalar}``: the
+    backward pass reads them one by one, and a read from a vector at a constant index
+    makes each reading kernel unique instead.
     """
 
     __slots__ = ("names", "array")

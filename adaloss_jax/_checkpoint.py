@@ -22,12 +22,13 @@ def _serialization():
 
     from adaloss_jax._adaptive import GroupVector
 
-    if GroupVector not in serialization._STATE_DICT_REGISTRY:
-        serialization.register_serialization_state(
-            GroupVector,
-            lambda v: {"array": v.array},
-            lambda v, d: GroupVector(v.names, serialization.from_state_dict(v.array, d["array"])),
-        )
+    # Registered on every call (override: idempotent), without reading flax's registry.
+    serialization.register_serialization_state(
+        GroupVector,
+        lambda v: {"array": v.array},
+        lambda v, d: GroupVector(v.names, serialization.from_state_dict(v.array, d["array"])),
+        override=True,
+    )
     return serialization
 
 

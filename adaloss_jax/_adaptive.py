@@ -573,7 +573,8 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
         )
     else:
         plan = _stream.analyse(closed.jaxpr, points.sizes,
-                               _points.param_owners_for(leaves, owners))
+                               _points.param_owners_for(leaves, owners),
+                               keep=frozenset(points.rounding if scaler.simulate else ()))
     return _Analysis(plan, active, owners, _rows(plan))
 
 

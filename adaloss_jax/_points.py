@@ -302,6 +302,7 @@ class Points(Receiver):
         self.limits: list[tuple[float, float]] = []  # (y_max, x_max) of each row
         self.used = 0
         self.sizes: list[int] = []  # recording: floating leaves of each point
+        self.rounding: set[int] = set()  # recording: the points that round when simulating
         self.dtypes: set = set()
 
     def wrap(self, path: tuple[str, ...], module, next_fun, args, kwargs):
@@ -331,6 +332,8 @@ class Points(Receiver):
         leaves = list(leaves)
         if self.plan is None:
             self.sizes.append(len(idx))
+            if simulate:
+                self.rounding.add(n)
             for i, y in zip(idx, _record_point(n)(*(leaves[i] for i in idx))):
                 leaves[i] = y
             return jax.tree_util.tree_unflatten(treedef, leaves)

@@ -52,7 +52,9 @@ class PointPlan(NamedTuple):
     """Static plan of one scale point: per floating leaf, the anchors of the region on the
     producer side ``x`` (where the converted cotangent goes) and on the consumer side ``y``
     (where it arrives from). ``None`` for a point the program does not hold whole (a
-    trace a transform made and dropped, or pruned): it is no cut, and not applied."""
+    trace a transform made and dropped, or pruned): it is no cut, and not applied; also
+    for a point that would only repeat the measurement of the point feeding it
+    (:func:`analyse`), which is not applied either."""
 
     x: tuple[tuple[str, ...], ...] | None
     y: tuple[tuple[str, ...], ...] | None
@@ -117,9 +119,17 @@ class _Walker:
         self.points: dict[int, list[list[tuple[object, object]]]] = {}  # n -> occurrences
         self.param_pairs: list[tuple[object, object]] = []
         self.memo: dict = {}
+        # n -> per occurrence, per leaf: the point whose output the leaf's input is, in
+        # the same jaxpr and read by nothing else (None where it is not).
+        self.fed: dict[int, list[list[int | None]]] = {}
 
     def walk(self, jaxpr, blob=None) -> None:
         uf = self.uf
+        uses: dict = {}
+        for v in [*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars]:
+            if not isinstance(v, jcore.Literal):
+                uses[v] = uses.get(v, 0) + 1
+        point_out: dict = {}  # outputs of scale points in this jaxpr -> point number
         for eqn in jaxpr.eqns:
             name = eqn.primitive.name
             label = eqn.params.get("name", "") if name in ("jit", "pjit") else ""
@@ -129,6 +139,11 @@ class _Walker:
                     uf.union([blob] + [v for p in pairs for v in p])
                 n = int(label[len(POINT_PREFIX):])
                 self.points.setdefault(n, []).append(pairs)
+                self.fed.setdefault(n, []).append(
+                    [point_out.get(v) if blob is None and uses.get(v) == 1 else None
+                     for v in eqn.invars])
+                if blob is None:
+                    point_out.update(dict.fromkeys(eqn.outvars, n))
                 continue
             if label == PARAM_POINT:
                 self.param_pairs = list(zip(eqn.invars, eqn.outvars))
@@ -228,7 +243,7 @@ def _floaty(v) -> bool:
 
 
 def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
-            loss_index: int = 0) -> Plan:
+            loss_index: int = 0, keep: frozenset = frozenset()) -> Plan:
     """The plan of a traced loss.
 
     Args:
@@ -238,6 +253,14 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
       param_owners: the scale group of each parameter leaf (``None`` for non-floating
         leaves), in the order of the parameter point's operands.
       loss_index: which output of the jaxpr is the loss.
+      keep: points that must be applied even where they neither convert nor measure
+        anything new (those that round cotangents to a simulated format).
+
+    A point that would convert nothing and whose every input comes straight from
+    another point (whose output nothing else reads) is left out of the applied program:
+    the cotangent it would measure is the one that point measures, unchanged and with
+    the same anchors (a parent module's boundary around a child's). It gets no plan, as
+    a point the program does not hold (:class:`PointPlan`).
     """
     w = _Walker()
     w.walk(jaxpr)
@@ -305,9 +328,14 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
         if pairs is None:
             points.append(PointPlan(None, None))
             continue
-        points.append(PointPlan(
-            x=tuple(of(region(x)) for x, _ in pairs),
-            y=tuple(of(region(y)) for _, y in pairs),
-        ))
+        x = tuple(of(region(v)) for v, _ in pairs)
+        y = tuple(of(region(v)) for _, v in pairs)
+        fed = w.fed.get(n, [])
+        if (n not in keep and x == y and len(fed) == 1 and fed[0]
+                and all(a is not None and a in whole and len(w.points[a]) == 1
+                        for a in fed[0])):
+            points.append(PointPlan(None, None))  # a repeat of the point feeding it
+            continue
+        points.append(PointPlan(x=x, y=y))
     params = tuple(None if r is None else of(r) for r in params_y)
     return Plan(tuple(points), params)

@@ -5,6 +5,8 @@ dict and tuple outputs, BatchNorm state)."""
 
 from __future__ import annotations
 
+from unittest import mock
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from hypothesis import HealthCheck, Phase, example, given, settings
 from hypothesis import strategies as st
 
 import adaloss_jax as alj
+from adaloss_jax import _stream
 
 W, V, T, B = 8, 16, 6, 4
 OPS = ("dense", "reuse", "residual", "concat", "cross", "scan", "remat", "dict", "bn", "nest")
@@ -81,6 +84,19 @@ class Nest(nn.Module):
         return Residual(self.dtype)(Shared(self.dtype)(x))
 
 
+class Gated(nn.Module):
+    """A group whose own parameter is read on the way in and whose output is its child's
+    (its output point neither converts nor measures anything new, but rounds when
+    simulating)."""
+
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x):
+        g = self.param("g", nn.initializers.ones, (W,))
+        return nn.Dense(W, dtype=self.dtype)(x * g.astype(self.dtype))
+
+
 class RandomNet(nn.Module):
     ops: tuple
     tied: bool
@@ -116,6 +132,8 @@ class RandomNet(nn.Module):
                 x = nn.BatchNorm(use_running_average=False, dtype=dt)(x)
             elif op == "nest":
                 x = Nest(dt)(x)
+            elif op == "gated":
+                x = Gated(dt)(x)
         if self.tied:
             return embed.attend(x)
         return nn.Dense(V, dtype=dt)(x)
@@ -349,3 +367,61 @@ def test_random_nnx_graphs_exact_and_no_worse_than_global(ops, tied):
     _assert_within_rounding(updates, results["global"][0], ref, ops)
     for a, b in zip(_underflow(scaled, ref), _underflow(results["global"][1], ref)):
         assert a <= b + 1e-3, ops
+
+
+# ------------------------------------------------------- points left out of the plan
+
+
+@settings(max_examples=1, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(st.sampled_from(OPS + ("gated",)), min_size=2, max_size=4),
+       tied=st.booleans(), statistic=st.sampled_from(["amax", "gaussian", "quantile"]),
+       simulate=st.booleans(), seed=st.integers(0, 3))
+@example(ops=["nest", "gated", "scan", "dict", "reuse"], tied=True, statistic="quantile",
+         simulate=True, seed=0)
+def test_points_left_out_of_the_plan_change_nothing(ops, tied, statistic, simulate, seed):
+    """A point the plan leaves out (no conversion, every input straight from another
+    point) would have measured a cotangent that the point feeding it measures: the
+    gradients, each group's amax and the overflow flags are bitwise those of the plan
+    that applies every point, on scales that differ per group (conversions everywhere)
+    and that overflow some groups; sums over values (count, sum of squares, histogram)
+    lose only the repeats."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
+    model = RandomNet(tuple(ops), tied, jnp.float16)
+    variables = model.init(jax.random.key(0), tokens[:, :-1])
+    params = variables["params"]
+    others = {k: v for k, v in variables.items() if k != "params"}
+    scaler = alj.adaptive(groups="module", statistic=statistic, simulate=simulate,
+                          grad_dtype="float8_e4m3fn" if simulate else "float16")
+    state = alj.adaptive_unscale(scaler).init(params)
+    rng = np.random.default_rng(seed)
+    state = state._replace(log2_scales={g: jnp.float32(rng.integers(-4, 44))
+                                        for g in state.log2_scales})
+    analyse = _stream.analyse
+
+    def every_point(jaxpr, sizes, owners, **kw):
+        return analyse(jaxpr, sizes, owners, **{**kw, "keep": frozenset(range(len(sizes)))})
+
+    def run(keep_all):
+        grad_fn = alj.adaptive_value_and_grad(_loss(model, others, 1.0), scaler)
+        with mock.patch.object(_stream, "analyse", every_point if keep_all else analyse):
+            out = jax.jit(grad_fn)(state, params, tokens)
+        (plan,) = (an.plan for an in grad_fn.plans.values())
+        return out, sum(p.x is not None for p in plan.points)
+
+    (loss_a, grads_a, stats_a), n_all = run(keep_all=True)
+    (loss_d, grads_d, stats_d), n_left = run(keep_all=False)
+    if "nest" in ops:  # a parent's boundary around its child's
+        assert n_left < n_all
+    assert n_left <= n_all
+    assert np.array_equal(loss_a, loss_d)
+    for a, d in zip(jax.tree_util.tree_leaves(grads_a), jax.tree_util.tree_leaves(grads_d)):
+        assert np.array_equal(a, d, equal_nan=True), ops
+    assert bool(stats_a.nonfinite) == bool(stats_d.nonfinite)
+    for g in stats_a.amax:
+        assert np.array_equal(stats_a.amax[g], stats_d.amax[g]), (ops, g)
+        assert bool(stats_a.bad[g]) == bool(stats_d.bad[g]), (ops, g)
+        assert float(stats_d.count[g]) <= float(stats_a.count[g])
+        assert not float(stats_d.sumsq[g]) > float(stats_a.sumsq[g]) * (1 + 1e-6), (ops, g)
+        if statistic == "quantile":
+            assert np.all(np.asarray(stats_d.hist[g]) <= np.asarray(stats_a.hist[g]))

@@ -315,6 +315,11 @@ class AdaptiveScaleState(NamedTuple):
       structure: ``{fingerprint: 0}``: the fingerprint (in the tree structure, so it is
         known at trace time) of the parameter paths and shapes the state was built for;
         gradients, statistics or parameters of another model are refused.
+      slots: ``{group: int32 scalar}``, each group's index in the groups' natural order
+        (fixed at ``init``). The update computes every group's new scale at once, in one
+        vector, and gives each group's scale out as the element at its slot: an index
+        held as data makes these reads one compiled kernel, where indices known at trace
+        time made one kernel per group (docs/results.md, section 5).
     """
 
     base: LossScaleState
@@ -323,6 +328,7 @@ class AdaptiveScaleState(NamedTuple):
     overflowed: GroupVector
     health: jax.Array
     structure: dict = {}  # never mutated
+    slots: dict = {}  # never mutated
 
 
 HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
@@ -879,6 +885,8 @@ def adaptive_unscale(
             overflowed=GroupVector(groups, jnp.zeros((len(groups),), jnp.bool_)),
             health=jnp.zeros((), jnp.int32),
             structure={_fingerprint(params): jnp.zeros((), jnp.int8)},
+            slots={g: jnp.asarray(i, jnp.int32)
+                   for i, g in enumerate(sorted(groups, key=_natural))},
         )
 
     def update_fn(updates, state, params=None, *, loss=None, scale_stats=None, **extra):
@@ -901,6 +909,12 @@ def adaptive_unscale(
             _check_structure(state.structure, next(iter(scale_stats.structure)),
                              "the scale_stats", "pass the statistics adaptive_value_and_grad "
                              "returned for this model with this optimizer state")
+        if set(state.slots) != set(log2):
+            raise ValueError(
+                "the adaptive scaler's state has no slot for some of its groups (a state "
+                "saved by an older adaloss_jax, or built by hand): re-run tx.init(params) "
+                "and restore checkpoints into that state's structure"
+            )
         unknown = sorted(set(used) - set(log2), key=_natural)
         if unknown:
             raise ValueError(
@@ -1016,11 +1030,14 @@ def adaptive_unscale(
         # A non-finite loss (forward overflow) is no reason to move any scale.
         new_log2_v = jnp.where(loss_finite, new_log2_v, log2_v)
         # Each group's scale is an output of its own (the backward pass reads them one
-        # by one): slices of a vector computed once, not each a copy of the update.
-        new_log2_v = _transforms.vector_once(new_log2_v)
-        new_log2 = dict(log2)
-        for g, i in gi.items():
-            new_log2[g] = new_log2_v[i]
+        # by one): the element at the group's slot of one vector (see `slots`).
+        order = sorted(log2, key=_natural)
+        pos = {g: i for i, g in enumerate(order)}
+        full = jnp.stack([jnp.asarray(log2[g], jnp.float32) for g in order])
+        full = full.at[jnp.asarray([pos[g] for g in active], jnp.int32)].set(
+            new_log2_v, unique_indices=True)
+        new_log2 = {g: jax.lax.dynamic_index_in_dim(full, state.slots[g], keepdims=False)
+                    for g in log2}
         new_amax = state.log2_amax.replace(active, new_amax_v)
         new_bad = state.overflowed.replace(active, bad)
         # A step where everything flushed to zero carries no information: skip it (the
@@ -1034,7 +1051,7 @@ def adaptive_unscale(
             | jnp.where(pinned_high & ~informative, HEALTH_NOTHING_MEASURED, 0)
         ).astype(jnp.int32)
         return updates, AdaptiveScaleState(base, new_log2, new_amax, new_bad, health,
-                                           state.structure)
+                                           state.structure, state.slots)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 

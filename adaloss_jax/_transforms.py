@@ -48,16 +48,6 @@ def min_once(values: Sequence[jax.Array]) -> jax.Array:
     return jax.ops.segment_min(v, jnp.zeros(v.shape, jnp.int32), 1, indices_are_sorted=True)[0]
 
 
-def vector_once(v: jax.Array) -> jax.Array:
-    """``v`` (a vector) itself, computed once in the compiled program, for a vector read
-    element by element in many places: XLA would copy the computation of the whole
-    vector into each element's reader (see :func:`min_once`); a scatter of each element
-    into its own slot is computed once, and each reader is a plain slice."""
-    n = v.shape[0]
-    return jax.ops.segment_max(v, jnp.arange(n, dtype=jnp.int32), n,
-                               indices_are_sorted=True, unique_indices=True)
-
-
 def all_of(flags: Sequence[jax.Array]) -> jax.Array:
     """The AND of boolean scalars, computed once in the compiled program
     (:func:`min_once`)."""

@@ -574,6 +574,31 @@ def test_bad_setups_are_refused_or_named():
         alj.adaptive_value_and_grad(loss32, scaler)(state, params, *batch)
 
 
+def test_each_group_gets_its_own_scale_back_and_a_state_without_slots_is_refused():
+    """The update gives each group's new scale out as the element at the group's slot of
+    one vector: between recomputations (``interval``) every group keeps its own scale,
+    distinct per group here, so a slot read from the wrong place shows. A state without
+    slots (an older one) is refused with the fix."""
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    scaler = alj.adaptive(groups="module", interval=1000)
+    tx = alj.adaptive_unscale(scaler)
+    state = tx.init(params)
+    want = {g: 8.0 + i for i, g in enumerate(sorted(state.log2_scales, reverse=True))}
+    state = state._replace(log2_scales={g: jnp.float32(v) for g, v in want.items()},
+                           base=state.base._replace(total_applied=state.base.total_applied + 1))
+    loss, grads, stats = jax.jit(alj.adaptive_value_and_grad(loss16, scaler))(
+        state, params, *batch)
+
+    def update(state):
+        return tx.update(grads, state, params, loss=loss, scale_stats=stats)[1]
+
+    new = jax.jit(update)(state)
+    assert bool(new.base.last_applied)
+    assert {g: float(v) for g, v in new.log2_scales.items()} == want
+    with pytest.raises(ValueError, match=r"re-run tx.init\(params\)"):
+        update(state._replace(slots={}))
+
+
 def test_scale_summary_is_plain_data():
     _, params, loss16, batch = _setup("mlp", jnp.float16)
     step, state = _grads_through(alj.adaptive(groups="module"), loss16, params, batch)

@@ -373,11 +373,7 @@ class ScaleStats(NamedTuple):
 # --------------------------------------------------------------------------- groups
 
 
-def _key_name(k) -> str:
-    for attr in ("key", "name", "idx"):
-        if hasattr(k, attr):
-            return str(getattr(k, attr))
-    return str(k)
+_key_name = _points.key_name
 
 
 def _strip_collection(path: tuple[str, ...]) -> tuple[str, ...]:
@@ -540,6 +536,7 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
     def rec(lv):
         lv = _points.record_params(list(lv))
         points.skip = frozenset(id(x) for x in lv)
+        points.leaf_paths = {id(x): p for x, p in zip(lv, paths)}
         with points, _Hooks(hooks, points):
             out = fun(jax.tree_util.tree_unflatten(treedef, lv), *args, **kwargs)
         return jnp.asarray(out[0] if has_aux else out)
@@ -555,11 +552,21 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
                 "adaloss_jax.equinox.eqx_adaptive_value_and_grad), or mark layer functions "
                 "with adaloss_jax.scale_group(name) (pure JAX), or use groups='global'"
             )
-        if not group_calls:
+        if not group_calls and scaler.filter is not None:
             raise ValueError(
                 f"the filter {scaler.filter!r} selected no module that owns parameters: "
                 f"no scale group was formed; pass a filter that accepts at least one module "
                 f"(or filter=None for all)"
+            )
+        if not group_calls:
+            calls = sorted({"/".join(c.path) or "(root)" for c in points.calls})[:4]
+            owned = sorted("/".join(o) for o in _owner_paths(params))[:4]
+            raise ValueError(
+                f"no module call matched a module that owns parameters (calls: {calls}; "
+                f"parameters owned by: {owned}): no scale group was formed. Apply the model "
+                f"to the parameters the loss is given, or to a sub-tree of them "
+                f"(model.apply({{'params': params['student']}}, ...) is found by the identity "
+                f"of its leaves; parameters rebuilt or cast before the call are not)"
             )
     narrow = {jnp.dtype(jnp.float16), jnp.dtype(scaler.format.dtype)}
     if points.calls and not points.dtypes & narrow:
@@ -760,6 +767,7 @@ def adaptive_value_and_grad(
         # and set order follows each process's string hash seed.
         sigma, ratios = _anchor_scales(log2, sorted(pairs))
         leaves, treedef = jax.tree_util.tree_flatten(params)
+        paths = _leaf_paths(params)
         cfg = _point_config(scaler)
         width = _points.width(cfg.hist_lo is not None)
         dummies = [jnp.zeros((width,), jnp.float32) for _ in an.rows]
@@ -772,6 +780,7 @@ def adaptive_value_and_grad(
             points = _points.Points(cfg, _selector(scaler, owner_paths), plan=an.plan,
                                     ratios=ratios, simulate=sim, dummies=dummies)
             points.skip = frozenset(id(x) for x in lv)
+            points.leaf_paths = {id(x): p for x, p in zip(lv, paths)}
             with points, _Hooks(hooks, points):
                 out = fun(jax.tree_util.tree_unflatten(treedef, lv), *args, **kwargs)
             limits[:] = points.limits

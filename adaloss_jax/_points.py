@@ -227,10 +227,24 @@ class Call(NamedTuple):
 _LOCAL = threading.local()
 
 
+def key_name(k) -> str:
+    """A pytree key as a path component (a dict key, an attribute or an index)."""
+    for attr in ("key", "name", "idx"):
+        if hasattr(k, attr):
+            return str(getattr(k, attr))
+    return str(k)
+
+
 class Receiver:
     """What the module calls a front end reports run through, while it is active (a
     context manager): the scale points of an adaptive gradient, or a numerics probe's
-    taps. Receivers nest; every active one sees every call, the outermost first."""
+    taps. Receivers nest; every active one sees every call, the outermost first.
+
+    ``leaf_paths`` (``{id(leaf): path}``) names the parameter leaves the loss was given,
+    so that a front end can tell where a sub-tree of them sits (:func:`subtree_prefix`).
+    """
+
+    leaf_paths: dict = {}
 
     def __enter__(self):
         stack = getattr(_LOCAL, "stack", None)
@@ -245,6 +259,25 @@ class Receiver:
     def wrap(self, path: tuple[str, ...], module, next_fun, args, kwargs):
         """Runs ``next_fun(*args, **kwargs)`` as a call of the module at ``path``."""
         raise NotImplementedError
+
+
+def subtree_prefix(tree) -> tuple[str, ...] | None:
+    """Where ``tree``, parameters a model was applied to, sits in the parameters the
+    loss was given (``params["student"]`` -> ``("student",)``, the whole tree -> ``()``),
+    found by the identity of its leaves (:attr:`Receiver.leaf_paths`). None where no
+    leaf is one of them (parameters transformed before the call) or the paths disagree.
+    """
+    stack = getattr(_LOCAL, "stack", None) or ()
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for r in reversed(stack):
+        for keys, x in flat:
+            full = r.leaf_paths.get(id(x))
+            if full is None:
+                continue
+            rel = tuple(key_name(k) for k in keys)
+            n = len(full) - len(rel)
+            return full[:n] if n >= 0 and full[n:] == rel else None
+    return None
 
 
 def active() -> Receiver | None:

@@ -599,6 +599,57 @@ def test_each_group_gets_its_own_scale_back_and_a_state_without_slots_is_refused
         update(state._replace(slots={}))
 
 
+def test_models_applied_to_sub_trees_of_the_parameters_get_their_own_groups():
+    """A loss that applies models to sub-trees of its parameters (teacher/student, a head
+    beside a body whose module names repeat the head's): each module's group is named by
+    where its parameters sit in the whole tree, so every group is measured and none is
+    credited with another's calls; a sub-tree rebuilt before the call is refused with a
+    message that says so."""
+
+    class Body(nn.Module):
+        dtype: object = jnp.float16
+
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, dtype=self.dtype)(jnp.tanh(nn.Dense(8, dtype=self.dtype)(x)))
+
+    body, head = Body(), nn.Dense(4, dtype=jnp.float16)
+    x = jax.random.normal(jax.random.key(1), (16, 8))
+    params = {"Dense_0": head.init(jax.random.key(2), x[:, :8])["params"],
+              "body": body.init(jax.random.key(3), x)["params"]}
+    tiny = 2.0**-16
+
+    def make_loss(body, head):
+        def loss_fn(p, x, y):
+            h = body.apply({"params": p["body"]}, x)
+            out = head.apply({"params": p["Dense_0"]}, h).astype(jnp.float32)
+            return jnp.mean((out - y) ** 2) * tiny
+
+        return loss_fn
+
+    loss_fn = make_loss(body, head)
+
+    scaler = alj.adaptive(groups="module")
+    y = jnp.zeros((16, 4))
+    step, state = _grads_through(scaler, loss_fn, params, (x, y))
+    for _ in range(3):
+        updates, state, stats = step(state, params, x, y)
+    assert set(stats.amax) == {"", "Dense_0", "body/Dense_0", "body/Dense_1"}
+    assert all(float(stats.amax[g]) > 0 for g in stats.amax), stats.amax
+    ref = jax.grad(make_loss(Body(jnp.float32), nn.Dense(4)))(params, x, y)
+    for g, r in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(ref)):
+        np.testing.assert_allclose(g, r, rtol=2e-2, atol=1e-2 * float(jnp.max(jnp.abs(r))))
+
+    sub = {"body": params["body"]}
+
+    def rebuilt(p, x, y):  # the sub-tree is new arrays: nothing says where it sits
+        return jnp.mean(body.apply({"params": jax.tree.map(lambda a: a * 1, p["body"])}, x))
+
+    with pytest.raises(ValueError, match="sub-tree"):
+        alj.adaptive_value_and_grad(rebuilt, scaler)(alj.adaptive_unscale(scaler).init(sub),
+                                                     sub, x, y)
+
+
 def test_scale_summary_is_plain_data():
     _, params, loss16, batch = _setup("mlp", jnp.float16)
     step, state = _grads_through(alj.adaptive(groups="module"), loss16, params, batch)

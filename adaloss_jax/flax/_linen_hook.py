@@ -18,13 +18,26 @@ def _interceptor(next_fun, args, kwargs, context):
     module = context.module
     if context.method_name == "setup" or module.scope is None:
         return next_fun(*args, **kwargs)
-    return _points.report(tuple(module.scope.path), module, next_fun, args, kwargs)
+    path = tuple(module.scope.path)
+    prefixes = _LOCAL.__dict__.setdefault("prefixes", [])
+    if path:
+        prefix = prefixes[-1] if prefixes else ()
+        return _points.report(prefix + path, module, next_fun, args, kwargs)
+    # The root of an apply: its module paths count from the parameters it was given,
+    # which may be a sub-tree of the loss's (``model.apply({"params": p["student"]})``).
+    prefix = _points.subtree_prefix(module.scope.variables().get("params", {}))
+    prefixes.append(prefix if prefix is not None else (prefixes[-1] if prefixes else ()))
+    try:
+        return _points.report(prefixes[-1], module, next_fun, args, kwargs)
+    finally:
+        prefixes.pop()
 
 
 @contextlib.contextmanager
 def intercept(points=None) -> Iterator[None]:
     """Within the context, every linen module method call (not ``setup``) is reported
-    with the module's scope path to :func:`adaloss_jax._points.report`. Nested contexts
+    with the module's scope path to :func:`adaloss_jax._points.report`, prefixed with
+    where the applied parameters sit in the loss's (:func:`_points.subtree_prefix`). Nested contexts
     install the interceptor once, so each call is reported once. (``points`` is unused:
     the signature of a front-end hook.)"""
     del points

@@ -535,8 +535,7 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
 
     def rec(lv):
         lv = _points.record_params(list(lv))
-        points.skip = frozenset(id(x) for x in lv)
-        points.leaf_paths = {id(x): p for x, p in zip(lv, paths)}
+        points.given(lv, paths)
         with points, _Hooks(hooks, points):
             out = fun(jax.tree_util.tree_unflatten(treedef, lv), *args, **kwargs)
         return jnp.asarray(out[0] if has_aux else out)
@@ -779,8 +778,7 @@ def adaptive_value_and_grad(
             lv = _points.convert_params(list(lv), list(an.owners), an.plan.params, ratios)
             points = _points.Points(cfg, _selector(scaler, owner_paths), plan=an.plan,
                                     ratios=ratios, simulate=sim, dummies=dummies)
-            points.skip = frozenset(id(x) for x in lv)
-            points.leaf_paths = {id(x): p for x, p in zip(lv, paths)}
+            points.given(lv, paths)
             with points, _Hooks(hooks, points):
                 out = fun(jax.tree_util.tree_unflatten(treedef, lv), *args, **kwargs)
             limits[:] = points.limits
@@ -1042,6 +1040,8 @@ def adaptive_unscale(
         # by one): the element at the group's slot of one vector (see `slots`).
         order = sorted(log2, key=_natural)
         pos = {g: i for i, g in enumerate(order)}
+        # (The scatter also keeps the update computed once: XLA does not copy a scatter
+        # into its readers.)
         full = jnp.stack([jnp.asarray(log2[g], jnp.float32) for g in order])
         full = full.at[jnp.asarray([pos[g] for g in active], jnp.int32)].set(
             new_log2_v, unique_indices=True)

@@ -246,6 +246,10 @@ class Receiver:
 
     leaf_paths: dict = {}
 
+    def given(self, leaves, paths) -> None:
+        """Names the parameter leaves the loss is given (``paths``: their key paths)."""
+        self.leaf_paths = {id(x): p for x, p in zip(leaves, paths)}
+
     def __enter__(self):
         stack = getattr(_LOCAL, "stack", None)
         if stack is None:
@@ -320,13 +324,12 @@ class Points(Receiver):
     """
 
     def __init__(self, cfg: PointConfig, selects: Callable, plan=None, ratios=None,
-                 simulate=None, dummies=None, skip: frozenset = frozenset()):
+                 simulate=None, dummies=None):
         self.cfg = cfg
         self.selects = selects  # (path, module) -> "group" | "measure" | None
         self.plan = plan
         self.ratios = ratios
         self.simulate = simulate
-        self.skip = skip  # ids of parameter values: they pass points unconverted
         self.count = 0
         self.reported = 0  # module calls reported, selected or not
         self.calls: list[Call] = []
@@ -357,7 +360,8 @@ class Points(Receiver):
 
     def _point(self, tree, simulate: bool):
         leaves, treedef = jax.tree_util.tree_flatten(tree)
-        idx = [i for i, x in enumerate(leaves) if is_float(x) and id(x) not in self.skip]
+        # Parameter values pass points unconverted (convert_params handles them).
+        idx = [i for i, x in enumerate(leaves) if is_float(x) and id(x) not in self.leaf_paths]
         if not idx:
             return tree
         n = self.count

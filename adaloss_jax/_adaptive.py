@@ -353,7 +353,8 @@ class ScaleStats(NamedTuple):
         off.
       nonfinite: whether any measured value or conversion was not finite (the step is
         skipped).
-      sumsq / count: sum of squares and element count (the gaussian rule).
+      sumsq / count: sum of squares and element count (the gaussian rule; zero under
+        the others, which do not measure them).
       hist: per-binade histogram at the group's scale (``statistic="quantile"``), or
         ``{}``.
       structure: ``{fingerprint: 0}`` of the parameters the statistics were measured for
@@ -673,11 +674,15 @@ def _combine(an: _Analysis, row_stats: list, limits: list, log2: dict, sigma: di
     # of their max, kept as it is (the scale errs low, never into overflow).
     a = m[e_row, _points._AMAX] * jnp.asarray(e_lim, jnp.float32) * f
     amax_v = jnp.maximum(jax.ops.segment_max(a, e_grp, ng), 0.0)
-    sumsq_v = jax.ops.segment_sum(m[e_row, _points._SUMSQ] * f * f, e_grp, ng)
-    count_v = jax.ops.segment_sum(m[e_row, _points._COUNT], e_grp, ng)
+    gaussian = scaler.statistic == "gaussian"
+    if gaussian:
+        sumsq_v = jax.ops.segment_sum(m[e_row, _points._SUMSQ] * f * f, e_grp, ng)
+        count_v = jax.ops.segment_sum(m[e_row, _points._COUNT], e_grp, ng)
+    else:  # only the gaussian rule reads them
+        sumsq_v = count_v = jnp.zeros((ng,), jnp.float32)
     hist = {}
     if scaler.statistic == "quantile":
-        h = jax.vmap(_shift_hist)(m[e_row, _points._NSTATS:], k)
+        h = jax.vmap(_shift_hist)(m[e_row, _points.hist_start(gaussian):], k)
         hist_v = jax.ops.segment_sum(h, e_grp, ng)
         hist = {g: hist_v[i] for g, i in gi.items()}
 
@@ -768,7 +773,7 @@ def adaptive_value_and_grad(
         leaves, treedef = jax.tree_util.tree_flatten(params)
         paths = _leaf_paths(params)
         cfg = _point_config(scaler)
-        width = _points.width(cfg.hist_lo is not None)
+        width = _points.width(cfg.sumsq, cfg.hist_lo is not None)
         dummies = [jnp.zeros((width,), jnp.float32) for _ in an.rows]
         owner_paths = _owner_paths(params)
         sim = scaler.format.dtype if scaler.simulate else None

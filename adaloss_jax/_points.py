@@ -25,12 +25,13 @@ from adaloss_jax import _formats, _stream
 ROOT = _stream.ROOT
 
 # Statistics row of one scale point (all measured where the cotangent arrives, at the
-# scale of the region on its consumer side):
-# WRITES is 1 per backward pass through the point: a point inside a loop or a vmap
-# writes its dummy once per iteration and autodiff sums the writes, so there AMAX is a sum
-# of WRITES maxima (conservative: at most log2(WRITES) binades above the max).
-_AMAX, _SUMSQ, _COUNT, _BAD_Y, _BAD_X, _WRITES = range(6)
-_NSTATS = 6
+# scale of the region on its consumer side): the magnitude maximum and whether the
+# cotangent, or its conversion, exceeded the format. A point inside a loop or a vmap
+# writes its dummy once per pass and autodiff sums the writes, so there AMAX is a sum of
+# maxima (conservative: at most log2(passes) binades above the max) and a flag counts
+# the passes that exceeded. statistic="gaussian" appends the sum of squares and the
+# element count (summed over passes alike).
+_AMAX, _BAD_Y, _BAD_X, _SUMSQ, _COUNT = range(5)
 # statistic="quantile" appends a histogram of the cotangents' binades (counts of non-zero
 # elements by floor(log2|x|)): _NBINS bins starting _HIST_BELOW binades below the
 # format's smallest subnormal (the lowest bin also counts everything below it, the
@@ -47,14 +48,19 @@ def pow2(n) -> jax.Array:
     Written as the exponent bits (4 scalar ops, against ~50 for ``jnp.ldexp``): every
     converting scale point calls it.
     """
-    n = jnp.clip(jnp.asarray(n), -127, 128).astype(jnp.int32)
+    n = jax.lax.clamp(-127.0, jnp.asarray(n, jnp.float32), 128.0).astype(jnp.int32)
     # Biased exponent n + 127 and a zero mantissa; n = -127 gives 0.0 and n = 128 inf.
     return jax.lax.bitcast_convert_type((n + 127) << 23, jnp.float32)
 
 
-def width(quantile: bool) -> int:
+def hist_start(sumsq: bool) -> int:
+    """Column of a statistics row where the histogram starts."""
+    return _COUNT + 1 if sumsq else _BAD_X + 1
+
+
+def width(sumsq: bool, quantile: bool) -> int:
     """Columns of a statistics row."""
-    return _NSTATS + (_NBINS if quantile else 0)
+    return hist_start(sumsq) + (_NBINS if quantile else 0)
 
 
 class PointConfig(NamedTuple):
@@ -124,9 +130,10 @@ def _stats(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig) -> jax.Array:
         bad_x = jnp.logical_not(amax * ratio <= cfg.x_max)
     else:
         bad_x = bad_y
-    count = jnp.float32(sum(ct.size for ct in cts))
-    parts = [jnp.stack([amax, sumsq, count, bad_y.astype(jnp.float32),
-                        bad_x.astype(jnp.float32), jnp.float32(1.0)])]
+    cols = [amax, bad_y.astype(jnp.float32), bad_x.astype(jnp.float32)]
+    if cfg.sumsq:
+        cols += [sumsq, jnp.float32(sum(ct.size for ct in cts))]
+    parts = [jnp.stack(cols)]
     if cfg.hist_lo is not None:
         parts.append(_binade_hist(cts, cfg.hist_lo))
     return jnp.concatenate(parts)

@@ -615,8 +615,12 @@ def _anchor_scales(log2: dict, pairs) -> tuple[dict, dict]:
     # division once, as its own small kernel, where it would copy ``pow2(sx - sy)`` into
     # every kernel that converts a cotangent. Those kernels then differ only in the
     # buffer they read the ratio from, and identical kernels (one per layer) are
-    # compiled once: compile time stays linear in depth.
-    ratios = {(x, y): pow2(sigma[x]) / pow2(sigma[y]) for x, y in pairs if x != y}
+    # compiled once: compile time stays linear in depth. Each set's power of two is
+    # built once: a set sits on one side of several pairs, and every op traced here is
+    # one more op for XLA's passes to visit before they merge the copies.
+    converted = dict.fromkeys(a for x, y in pairs if x != y for a in (x, y))
+    scale = {a: pow2(sigma[a]) for a in converted}
+    ratios = {(x, y): scale[x] / scale[y] for x, y in pairs if x != y}
     return sigma, ratios
 
 

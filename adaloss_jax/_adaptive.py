@@ -5,8 +5,10 @@ How it works (all inside one ``jax.jit``):
 * **Scale groups** (``groups="module"``) are the modules (or :func:`scale_group`
   functions) that own parameters directly, keyed by path (``"Block_0/attn"``), plus the
   root ``""`` whose scale multiplies the loss; with ``groups="global"`` there is only
-  the root. Each group ``k`` has a power-of-two scale ``S_k = 2**s_k`` kept in fp32 in
-  :class:`AdaptiveScaleState`.
+  the root. ``max_depth=d`` cuts the paths at ``d`` components: a module nested deeper
+  gets no scale points and its parameters are its enclosing depth-``d`` module's group
+  (``max_depth=1``: one group per transformer block). Each group ``k`` has a
+  power-of-two scale ``S_k = 2**s_k`` kept in fp32 in :class:`AdaptiveScaleState`.
 * **Scale points** (``custom_vjp`` identities, :mod:`adaloss_jax._points`) go around
   every call of a module, put there by a front end (linen's ``intercept_methods``, NNX,
   or :func:`scale_group`), without changing the model.
@@ -131,6 +133,15 @@ class AdaptiveScale:
       filter: ``(module_path: tuple[str, ...], module) -> bool``; modules it rejects get
         no scale point: they run in the region around them and their parameters join
         the nearest selected enclosing group (or the root). Default: every module.
+      max_depth: scale points go only around calls of modules nested at most this deep
+        (a top-level module such as ``"Block_0"`` is at depth 1, ``"Block_0/attn"`` at
+        depth 2). A deeper module runs in the region of its enclosing module at that
+        depth and, with ``groups="module"``, its parameters are that module's group:
+        ``max_depth=1`` gives a transformer one scale per block (and per top-level
+        embedding or head), with points only at block boundaries. Fewer points cost
+        less to compile and run (docs/results.md, section 5); a block's interior then
+        shares one scale, and a simulated format rounds only where cotangents enter a
+        group. Default (``None``): every module.
       simulate: round every cotangent to ``grad_dtype`` where it enters a module that
         owns parameters, after its conversion (a *simulation* of fp8 gradients in an
         fp16/fp32 model; values are rounded to the format and kept in the compute
@@ -159,6 +170,7 @@ class AdaptiveScale:
     decay: float | None = None
     filter: Callable[[tuple[str, ...], Any], bool] | None = None
     simulate: bool = False
+    max_depth: int | None = None
 
     def __post_init__(self):
         if self.statistic not in ("amax", "gaussian", "quantile"):
@@ -205,6 +217,8 @@ class AdaptiveScale:
                 f"use adaloss_jax.no_scaling() (or bf16 without a scaler)"
             )
         _validation.check_bool("simulate", self.simulate)
+        if self.max_depth is not None:
+            _validation.check_int("max_depth", self.max_depth, minimum=1)
         if self.filter is not None and not callable(self.filter):
             raise TypeError(
                 f"filter must be a callable (module_path, module) -> bool, got {self.filter!r}"
@@ -215,7 +229,7 @@ class AdaptiveScale:
         return _formats.float_format(self.grad_dtype)
 
     def group_of(self, module_path: tuple[str, ...]) -> str:
-        return ROOT if self.groups == "global" else "/".join(module_path)
+        return ROOT if self.groups == "global" else "/".join(module_path[:self.max_depth])
 
 
 def adaptive(**kwargs) -> AdaptiveScale:
@@ -422,14 +436,16 @@ def _natural(name: str):
     return [int(t) if t.isdigit() else t for t in re.split(r"(\d+)", name)]
 
 
-def _owner_paths(params) -> set[tuple[str, ...]]:
-    """The module paths that own leaves directly (the top level's own leaves excluded)."""
-    return {p[:-1] for p in _leaf_paths(params) if len(p) > 1}
+def _owner_paths(params, max_depth: int | None = None) -> set[tuple[str, ...]]:
+    """The module paths that own leaves directly (the top level's own leaves excluded),
+    cut at ``max_depth`` (a deeper module's leaves are its enclosing module's there)."""
+    return {p[:-1][:max_depth] for p in _leaf_paths(params) if len(p) > 1}
 
 
 def param_groups(params, scaler: AdaptiveScale) -> list[str]:
     """The scale groups of a parameter tree: the root and, with ``groups="module"``, every
-    module that owns parameters directly, in natural order."""
+    module that owns parameters directly (or through modules deeper than
+    ``max_depth``), in natural order."""
     groups = {ROOT} | {scaler.group_of(o) for o in _owner_paths(params)}
     return sorted(groups, key=_natural)
 
@@ -446,12 +462,18 @@ def _leaf_group(path: tuple[str, ...], active: set[str], scaler: AdaptiveScale) 
 # ----------------------------------------------------------------------- the grad helper
 
 
-def _selector(scaler: AdaptiveScale, owners: set[tuple[str, ...]]) -> Callable:
+def _selector(scaler: AdaptiveScale, owners: set[tuple[str, ...]],
+              deep: set | None = None) -> Callable:
     """``(path, module) -> "group" | "measure" | None`` for :class:`_points.Points`: a
-    module that owns parameters directly is a group, any other call is measured and cut,
-    and a module the filter rejects gets no point."""
+    module that owns parameters (``owners``: cut at ``max_depth``) is a group, any other
+    call is measured and cut, and a module deeper than ``max_depth`` (its path is added
+    to ``deep``) or rejected by the filter gets no point."""
 
     def selects(path, module):
+        if scaler.max_depth is not None and len(path) > scaler.max_depth:
+            if deep is not None:
+                deep.add(path)
+            return None
         if scaler.filter is not None and module is not None and not scaler.filter(path, module):
             return None
         return "group" if path in owners else "measure"
@@ -532,7 +554,9 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
     """Traces the loss once with recording points and plans where conversions go."""
     leaves, treedef = jax.tree_util.tree_flatten(params)
     paths = _leaf_paths(params)
-    points = _points.Points(_point_config(scaler), _selector(scaler, _owner_paths(params)))
+    owner_paths = _owner_paths(params, scaler.max_depth)
+    deep: set = set()
+    points = _points.Points(_point_config(scaler), _selector(scaler, owner_paths, deep))
 
     def rec(lv):
         lv = _points.record_params(list(lv))
@@ -560,7 +584,7 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
             )
         if not group_calls:
             calls = sorted({"/".join(c.path) or "(root)" for c in points.calls})[:4]
-            owned = sorted("/".join(o) for o in _owner_paths(params))[:4]
+            owned = sorted("/".join(o) for o in owner_paths)[:4]
             raise ValueError(
                 f"no module call matched a module that owns parameters (calls: {calls}; "
                 f"parameters owned by: {owned}): no scale group was formed. Apply the model "
@@ -568,6 +592,16 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
                 f"(model.apply({{'params': params['student']}}, ...) is found by the identity "
                 f"of its leaves; parameters rebuilt or cast before the call are not)"
             )
+    uncut = sorted({"/".join(p[:scaler.max_depth]) for p in deep}
+                   - {"/".join(c.path) for c in points.calls})
+    if uncut and scaler.groups == "module":
+        k = scaler.max_depth
+        raise ValueError(
+            f"max_depth={k}: modules under {uncut[:4]} are called, but {uncut[0]!r} itself "
+            f"is no module call (a list or dict of modules?), so their parameters would get "
+            f"no group of their own; pass max_depth={k + 1} (paths count every component, a "
+            f"list index included), or a filter"
+        )
     narrow = {jnp.dtype(jnp.float16), jnp.dtype(scaler.format.dtype)}
     if points.calls and not points.dtypes & narrow:
         _policies.notice_once(
@@ -779,7 +813,7 @@ def adaptive_value_and_grad(
         cfg = _point_config(scaler)
         width = _points.width(cfg.sumsq, cfg.hist_lo is not None)
         dummies = [jnp.zeros((width,), jnp.float32) for _ in an.rows]
-        owner_paths = _owner_paths(params)
+        owner_paths = _owner_paths(params, scaler.max_depth)
         sim = scaler.format.dtype if scaler.simulate else None
         limits: list = []
 

@@ -43,6 +43,10 @@ ALL_CONFIGS = {
     "dynamic": (jnp.float16, lambda: alj.dynamic()),
     "adaptive-global": (jnp.float16, lambda: alj.adaptive(groups="global")),
     "adaptive": (jnp.float16, lambda: alj.adaptive(groups="module")),
+    # One group per block, points only at block boundaries (the GPT's blocks, embedding and
+    # final norm are its top-level modules).
+    "adaptive-block": (jnp.float16, lambda: alj.adaptive(groups="module", max_depth=1)),
+    "global-block": (jnp.float16, lambda: alj.adaptive(groups="global", max_depth=1)),
     "e4m3-sim": (jnp.float16, lambda: alj.adaptive(groups="module", simulate=True,
                                                    grad_dtype="float8_e4m3fn")),
 }

@@ -48,15 +48,19 @@ def loss_fn(model, tokens):
     return optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
 
 
-@pytest.mark.parametrize("statistic", ["amax", "quantile"])
-def test_fp32_exact_under_arbitrary_per_group_scales(statistic):
+@pytest.mark.parametrize("statistic,max_depth", [("amax", None), ("quantile", None),
+                                                 ("amax", 2)])
+def test_fp32_exact_under_arbitrary_per_group_scales(statistic, max_depth):
     model = Model(nnx.Rngs(0))
-    scaler = alj.adaptive(groups="module", statistic=statistic)
+    scaler = alj.adaptive(groups="module", statistic=statistic, max_depth=max_depth)
     tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
     state = tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))
     ad = state[0]
     groups = sorted(ad.log2_scales)
-    assert {"", "embed", "blocks/0/fc", "bn"} <= set(groups)
+    block = "blocks/0" if max_depth else "blocks/0/fc"
+    if max_depth:  # a block (list index included in the path) and its children: one group
+        assert set(groups) == {"", "embed", "blocks/0", "blocks/1", "bn"}
+    assert {"", "embed", block, "bn"} <= set(groups)
     assert not any(g.startswith("shared") for g in groups)  # shared = blocks/0
     rng = np.random.default_rng(1)
     state = (ad._replace(log2_scales={g: jnp.float32(rng.integers(-6, 14)) for g in groups}),
@@ -72,7 +76,7 @@ def test_fp32_exact_under_arbitrary_per_group_scales(statistic):
         return updates, new, stats
 
     updates, new, stats = grads(model, state)
-    assert "blocks/0/fc" in stats.log2_scales and "embed" in stats.log2_scales
+    assert block in stats.log2_scales and "embed" in stats.log2_scales
     assert bool(new[0].base.last_applied)
     for a, b in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(
             nnx.as_pure(ref))):
@@ -83,6 +87,17 @@ def test_fp32_exact_under_arbitrary_per_group_scales(statistic):
     assert not np.allclose(model.bn.mean[...], 0)
     # The user's classes were not touched.
     assert type(model.blocks[0]) is Block and type(model) is Model
+
+
+def test_max_depth_that_cuts_a_module_list_is_refused_with_the_depth_that_works():
+    model = Model(nnx.Rngs(0), dtype=jnp.float16)
+    scaler = alj.adaptive(groups="module", max_depth=1)
+    state = alj.adaptive_unscale(scaler).init(nnx.as_pure(nnx.state(model, nnx.Param)))
+    with pytest.raises(ValueError, match=r"max_depth=1: modules under \['blocks'\].*"
+                                         r"pass max_depth=2"):
+        nnx_adaptive_value_and_grad(loss_fn, scaler)(state, model, TOKENS)
+    with pytest.raises(ValueError, match="max_depth must be"):
+        alj.adaptive(max_depth=0)
 
 
 def test_nnx_train_step_adaptive_fp16_skips_and_learns():

@@ -425,3 +425,53 @@ def test_points_left_out_of_the_plan_change_nothing(ops, tied, statistic, simula
         assert not float(stats_d.sumsq[g]) > float(stats_a.sumsq[g]) * (1 + 1e-6), (ops, g)
         if statistic == "quantile":
             assert np.all(np.asarray(stats_d.hist[g]) <= np.asarray(stats_a.hist[g]))
+
+
+# --------------------------------------------------------- groups cut at max_depth
+
+
+@settings(max_examples=1, deadline=None, derandomize=True,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4), tied=st.booleans())
+@example(ops=["nest", "scan", "remat", "cross"], tied=True)
+def test_groups_cut_at_max_depth_are_exact_stable_and_no_worse_than_global(ops, tied):
+    """``max_depth=1``: one group per top-level module (its children's parameters are
+    its own), points only at top-level boundaries (fewer than per-module wherever a
+    module has children), and the conformance checks of per-module scaling."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
+    m16 = RandomNet(tuple(ops), tied, jnp.float16)
+    m32 = RandomNet(tuple(ops), tied, jnp.float32)
+    variables = m32.init(jax.random.key(0), tokens[:, :-1])
+    params = variables["params"]
+    others = {k: v for k, v in variables.items() if k != "params"}
+    tiny = 2.0**-20
+    ref = jax.jit(jax.grad(_loss(m32, others, tiny)))(params, tokens)
+    loss16 = _loss(m16, others, tiny)
+    top = {path[0].key for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
+    reached = {path[0].key for path, r in jax.tree_util.tree_flatten_with_path(ref)[0]
+               if np.any(np.asarray(r) != 0)}
+    results, applied = {}, {}
+    for groups, scaler in (("module", alj.adaptive(groups="module", max_depth=1)),
+                           ("global", alj.adaptive(groups="global"))):
+        tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
+        vg = alj.adaptive_value_and_grad(loss16, scaler)
+
+        @jax.jit
+        def step(state, vg=vg, tx=tx):
+            loss, g, stats = vg(state, params, tokens)
+            updates, state = tx.update(g, state, params, loss=loss, scale_stats=stats)
+            return updates, state, g
+
+        state = tx.init(params)
+        assert set(alj.adaptive_state(state).log2_scales) == (
+            {""} | top if groups == "module" else {""})
+        assert_conformance(step, state, results, groups, ref, ops, reached)
+        (plan,) = (an.plan for an in vg.plans.values())
+        applied[groups] = sum(p.x is not None for p in plan.points)
+    per_module = alj.adaptive(groups="module")
+    vg = alj.adaptive_value_and_grad(loss16, per_module)
+    jax.eval_shape(vg, alj.adaptive_unscale(per_module).init(params), params, tokens)
+    (plan,) = (an.plan for an in vg.plans.values())
+    nested = set(ops) - {"dense", "bn"}  # every other op is a module with children
+    n_module = sum(p.x is not None for p in plan.points)
+    assert applied["module"] < n_module if nested else applied["module"] == n_module, ops

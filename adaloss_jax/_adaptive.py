@@ -139,9 +139,10 @@ class AdaptiveScale:
         depth and, with ``groups="module"``, its parameters are that module's group:
         ``max_depth=1`` gives a transformer one scale per block (and per top-level
         embedding or head), with points only at block boundaries. Fewer points cost
-        less to compile and run (docs/results.md, section 5); a block's interior then
-        shares one scale, and a simulated format rounds only where cotangents enter a
-        group. Default (``None``): every module.
+        less to compile and run (docs/results.md, section 5). A block's interior then
+        runs at one scale and is measured only through its boundary cotangents and its
+        parameter gradients (``margin`` covers what lies between), and a simulated format
+        rounds only where cotangents enter a group. Default (``None``): every module.
       simulate: round every cotangent to ``grad_dtype`` where it enters a module that
         owns parameters, after its conversion (a *simulation* of fp8 gradients in an
         fp16/fp32 model; values are rounded to the format and kept in the compute

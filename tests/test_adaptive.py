@@ -8,6 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from _close import assert_fp32_trees_close
 from _models import (
     MLP,
     CNNBatchNorm,
@@ -87,8 +88,7 @@ def test_fp32_model_exact_under_arbitrary_per_group_scales(name):
     ref = jax.grad(loss_fn)(params, *batch)
     assert bool(new_state[0].base.last_applied)
     assert len(stats) > 2  # scale points were really inserted
-    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-7)
+    assert_fp32_trees_close(got, ref)
 
 
 def _rel_err(a, b):
@@ -243,8 +243,7 @@ def test_global_mode_has_one_group_and_matches_fp32():
     assert list(new[0].log2_scales) == [""]
     assert len(stats) > 1  # statistics still come from every module, per path
     ref = jax.grad(loss32)(params, *batch)
-    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-7)
+    assert_fp32_trees_close(got, ref)
 
 
 def test_frozen_submodule_runs_at_parent_scale():
@@ -262,8 +261,7 @@ def test_frozen_submodule_runs_at_parent_scale():
     step, state = _grads_through(scaler, loss, trainable, batch, log2)
     got, _, _ = step(state, trainable, *batch)
     ref = jax.grad(loss)(trainable, *batch)
-    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-7)
+    assert_fp32_trees_close(got, ref)
 
 
 def test_filter_rejecting_modules_keeps_gradients_exact():
@@ -275,8 +273,7 @@ def test_filter_rejecting_modules_keeps_gradients_exact():
     got, _, stats = step(state, params, *batch)
     assert all(g.count("/") == 0 for g in stats.log2_scales)
     ref = jax.grad(loss32)(params, *batch)
-    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-7)
+    assert_fp32_trees_close(got, ref)
 
 
 def test_nonfinite_loss_skips_without_moving_scales():
@@ -374,8 +371,7 @@ def test_gradient_accumulation_with_multisteps():
     g1 = jax.grad(loss32)(params, x[:2], y[:2])
     g2 = jax.grad(loss32)(params, x[2:], y[2:])
     ref = jax.tree_util.tree_map(lambda a, b: (a + b) / 2, g1, g2)
-    for u, r in zip(jax.tree_util.tree_leaves(updates), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(u, r, rtol=2e-5, atol=1e-7)
+    assert_fp32_trees_close(updates, ref)
 
 
 def test_check_mode_names_disagreeing_leaves():

@@ -7,6 +7,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from _close import assert_fp32_trees_close
 from flax import linen as nn
 from test_adaptive import _grads_through, _setup, known_stats
 
@@ -137,8 +138,7 @@ def test_quantile_statistic_keeps_fp32_gradients_exact(name):
     assert bool(new_state[0].base.last_applied)
     assert all(h.shape == (56,) for h in stats.hist.values())
     ref = jax.grad(loss_fn)(params, *batch)
-    for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
-        np.testing.assert_allclose(g, r, rtol=2e-5, atol=1e-7)
+    assert_fp32_trees_close(got, ref)
 
 
 def test_quantile_on_fp16_model_flushes_at_most_about_threshold():

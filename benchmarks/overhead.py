@@ -147,15 +147,36 @@ def main(argv=None) -> int:
     header = ("size", "layers", "d", "config", "step ms", "x dyn", "compile s", "x dyn",
               "temp MiB", "x dyn", "host trips")
     print("{:<6} {:>6} {:>4} {:<16} {:>8} {:>6} {:>9} {:>6} {:>9} {:>6} {:>10}".format(*header))
+    rows = []
     for size in sizes:
         for layers in layer_list:
             for r in measure(size, layers, args.rounds, args.steps,
                              args.compile_repeats, configs):
+                rows.append(r)
                 print(f"{r['size']:<6} {r['layers']:>6} {r['d_model']:>4} {r['config']:<16} "
                       f"{r['step_ms']:>8.1f} {r['step_ratio']:>6.3f} {r['compile_s']:>9.2f} "
                       f"{r['compile_ratio']:>6.2f} {r['temp_bytes'] / 2**20:>9.1f} "
                       f"{r['temp_ratio']:>6.2f} {r['host_round_trips']:>10d}")
+    slopes = compile_slopes(rows)
+    if slopes:
+        print("# compile seconds per added layer (least squares over the depths), and as a "
+              "multiple of dynamic's slope")
+        for (size, config), (slope, ratio) in slopes.items():
+            print(f"{size:<6} {config:<16} {slope:>7.3f} s/layer {ratio:>6.2f} x dyn")
     return 0
+
+
+def compile_slopes(rows: list[dict]) -> dict:
+    """``{(size, config): (seconds per layer, ratio to dynamic's slope)}`` where a
+    (size, config) was measured at two or more depths; the ratio is nan without dynamic."""
+    by = {}
+    for r in rows:
+        by.setdefault((r["size"], r["config"]), []).append((r["layers"], r["compile_s"]))
+    fits = {k: float(np.polyfit(*zip(*v), 1)[0]) for k, v in by.items()
+            if len({n for n, _ in v}) > 1}
+    return {(size, c): (m, m / fits[(size, "dynamic")] if (size, "dynamic") in fits
+                        else float("nan"))
+            for (size, c), m in fits.items()}
 
 
 if __name__ == "__main__":

@@ -181,6 +181,34 @@ def _assert_within_rounding(grads, global_grads, ref, ops) -> None:
         assert err <= max(0.1, 2.0 * _rel_err(gg, r)), (ops, jax.tree_util.keystr(path), err)
 
 
+def _random_net(ops, tied, tiny):
+    """Tokens, fp32 parameters, the fp32 reference gradient and the fp16 loss of one
+    random linen graph."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
+    m32 = RandomNet(tuple(ops), tied, jnp.float32)
+    variables = m32.init(jax.random.key(0), tokens[:, :-1])
+    params = variables["params"]
+    others = {k: v for k, v in variables.items() if k != "params"}
+    ref = jax.jit(jax.grad(_loss(m32, others, tiny)))(params, tokens)
+    return tokens, params, ref, _loss(RandomNet(tuple(ops), tied, jnp.float16), others, tiny)
+
+
+def conformance_step(scaler, loss_fn, params, *batch):
+    """The jitted ``step(state) -> (updates, state, scaled gradients)`` that
+    ``assert_conformance`` drives (updates are the unscaled gradients: sgd(-1)), its
+    initial state and the ``adaptive_value_and_grad`` function (its ``plans``)."""
+    tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
+    vg = alj.adaptive_value_and_grad(loss_fn, scaler)
+
+    @jax.jit
+    def step(state):
+        loss, g, stats = vg(state, params, *batch)
+        updates, state = tx.update(g, state, params, loss=loss, scale_stats=stats)
+        return updates, state, g
+
+    return step, tx.init(params), vg
+
+
 def assert_conformance(step, state, results, groups, ref, ops, reached) -> None:
     """The front-end conformance checks: ``step(state) -> (updates, state, scaled)``
     (jitted, one front end, one ``groups`` mode) applies every step after 3 warm-up steps
@@ -213,14 +241,7 @@ def _underflow(scaled, ref) -> list[float]:
        tiny=st.sampled_from([1.0, 2.0**-12, 2.0**-20]))
 @example(ops=["scan", "remat", "dict", "cross"], tied=True, tiny=2.0**-20)
 def test_random_graphs_exact_stable_and_no_worse_than_global(ops, tied, tiny):
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
-    m16 = RandomNet(tuple(ops), tied, jnp.float16)
-    m32 = RandomNet(tuple(ops), tied, jnp.float32)
-    variables = m32.init(jax.random.key(0), tokens[:, :-1])
-    params = variables["params"]
-    others = {k: v for k, v in variables.items() if k != "params"}
-    ref = jax.jit(jax.grad(_loss(m32, others, tiny)))(params, tokens)
-    loss16 = _loss(m16, others, tiny)
+    tokens, params, ref, loss16 = _random_net(ops, tied, tiny)
     warm, checked = 3, 20
     module = _run(alj.adaptive(groups="module"), loss16, params, tokens, warm + checked)
     glob = _run(alj.adaptive(groups="global"), loss16, params, tokens, warm + 1)
@@ -438,31 +459,14 @@ def test_groups_cut_at_max_depth_are_exact_stable_and_no_worse_than_global(ops, 
     """``max_depth=1``: one group per top-level module (its children's parameters are
     its own), points only at top-level boundaries (fewer than per-module wherever a
     module has children), and the conformance checks of per-module scaling."""
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
-    m16 = RandomNet(tuple(ops), tied, jnp.float16)
-    m32 = RandomNet(tuple(ops), tied, jnp.float32)
-    variables = m32.init(jax.random.key(0), tokens[:, :-1])
-    params = variables["params"]
-    others = {k: v for k, v in variables.items() if k != "params"}
-    tiny = 2.0**-20
-    ref = jax.jit(jax.grad(_loss(m32, others, tiny)))(params, tokens)
-    loss16 = _loss(m16, others, tiny)
+    tokens, params, ref, loss16 = _random_net(ops, tied, 2.0**-20)
     top = {path[0].key for path, _ in jax.tree_util.tree_flatten_with_path(params)[0]}
     reached = {path[0].key for path, r in jax.tree_util.tree_flatten_with_path(ref)[0]
                if np.any(np.asarray(r) != 0)}
     results, applied = {}, {}
     for groups, scaler in (("module", alj.adaptive(groups="module", max_depth=1)),
                            ("global", alj.adaptive(groups="global"))):
-        tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
-        vg = alj.adaptive_value_and_grad(loss16, scaler)
-
-        @jax.jit
-        def step(state, vg=vg, tx=tx):
-            loss, g, stats = vg(state, params, tokens)
-            updates, state = tx.update(g, state, params, loss=loss, scale_stats=stats)
-            return updates, state, g
-
-        state = tx.init(params)
+        step, state, vg = conformance_step(scaler, loss16, params, tokens)
         assert set(alj.adaptive_state(state).log2_scales) == (
             {""} | top if groups == "module" else {""})
         assert_conformance(step, state, results, groups, ref, ops, reached)

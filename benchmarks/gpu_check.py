@@ -5,8 +5,9 @@
 3. on a GPT of 12 layers, d = 768 (context 256), with the batch doubled from 8 until a
    dynamic-scaling step takes at least ``--min-step-ms`` (50), measures step time,
    compile time and XLA temporary memory of fp32, bf16, fp16 with dynamic scaling,
-   adaptive global, adaptive per-layer and per-layer with simulated e4m3 cotangents, side
-   by side in one process (interleaved rounds), as ratios to dynamic scaling;
+   adaptive global, adaptive per-layer, one group per block (``max_depth=1``) and
+   per-layer with simulated e4m3 cotangents, side by side in one process (interleaved
+   rounds), as ratios to dynamic scaling;
 4. prints the table as markdown for docs/results.md.
 
 Run: ``python benchmarks/gpu_check.py``. On a machine without a GPU it stops after the
@@ -60,7 +61,8 @@ def main(argv=None) -> int:
     if backend != "gpu" and not args.allow_cpu:
         print("no GPU found: the measurement needs one (--allow-cpu measures anyway)")
         return 0
-    configs = ("dynamic", "fp32", "bf16", "adaptive-global", "adaptive", "e4m3-sim")
+    configs = ("dynamic", "fp32", "bf16", "adaptive-global", "adaptive", "adaptive-block",
+               "e4m3-sim")
     overhead.SIZES["check"] = (args.layers, args.d, max(args.d // 64, 1), args.context, 8)
     batch = 8
     while True:  # the smallest batch (doubling) whose dynamic step takes >= min_step_ms

@@ -142,7 +142,9 @@ class AdaptiveScale:
         less to compile and run (docs/results.md, section 5). A block's interior then
         runs at one scale and is measured only through its boundary cotangents and its
         parameter gradients (``margin`` covers what lies between), and a simulated format
-        rounds only where cotangents enter a group. Default (``None``): every module.
+        rounds only where cotangents enter a group. A depth that cuts a path where no
+        module is called (NNX or Equinox ``layers/0``: ``layers`` is a list) is refused
+        at trace time with the depth that works. Default (``None``): every module.
       simulate: round every cotangent to ``grad_dtype`` where it enters a module that
         owns parameters, after its conversion (a *simulation* of fp8 gradients in an
         fp16/fp32 model; values are rounded to the format and kept in the compute
@@ -595,13 +597,14 @@ def _analyse(fun, scaler, hooks, has_aux, params, args, kwargs) -> _Analysis:
             )
     uncut = sorted({"/".join(p[:scaler.max_depth]) for p in deep}
                    - {"/".join(c.path) for c in points.calls})
-    if uncut and scaler.groups == "module":
+    if uncut:  # every module under it would run unmeasured (and, per module, ungrouped)
         k = scaler.max_depth
         raise ValueError(
             f"max_depth={k}: modules under {uncut[:4]} are called, but {uncut[0]!r} itself "
-            f"is no module call (a list or dict of modules?), so their parameters would get "
-            f"no group of their own; pass max_depth={k + 1} (paths count every component, a "
-            f"list index included), or a filter"
+            f"is no module call (a list or dict of modules?), so no scale point would go "
+            f"around them (and with groups='module' their parameters would get no group of "
+            f"their own); pass max_depth={k + 1} (paths count every component, a list index "
+            f"included), or a filter"
         )
     narrow = {jnp.dtype(jnp.float16), jnp.dtype(scaler.format.dtype)}
     if points.calls and not points.dtypes & narrow:

@@ -95,6 +95,10 @@ def test_max_depth_that_cuts_a_module_list_is_refused_with_the_depth_that_works(
     with pytest.raises(ValueError, match=r"max_depth=1: modules under \['blocks'\].*"
                                          r"pass max_depth=2"):
         nnx_adaptive_value_and_grad(loss_fn, scaler)(state, model, TOKENS)
+    glob = alj.adaptive(groups="global", max_depth=1)  # unmeasured blocks: refused too
+    state = alj.adaptive_unscale(glob).init(nnx.as_pure(nnx.state(model, nnx.Param)))
+    with pytest.raises(ValueError, match=r"max_depth=1: .*no scale point.*pass max_depth=2"):
+        nnx_adaptive_value_and_grad(loss_fn, glob)(state, model, TOKENS)
     with pytest.raises(ValueError, match="max_depth must be"):
         alj.adaptive(max_depth=0)
 

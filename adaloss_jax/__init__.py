@@ -1,22 +1,17 @@
 """adaloss_jax: loss scaling for fp16/fp8 mixed-precision training in JAX."""
 
+import contextlib as _contextlib
+
 from adaloss_jax._adaptive import (
-    AdaptiveScale,
-    AdaptiveScaleState,
-    GroupVector,
-    ScaleStats,
-    adaptive,
     adaptive_scaled,
-    adaptive_state,
     adaptive_unscale,
     adaptive_value_and_grad,
-    check_health,
     param_groups,
-    scale_summary,
-    scale_table,
 )
 from adaloss_jax._check import GradientCheck, check_gradients
 from adaloss_jax._checkpoint import load_state, save_state
+from adaloss_jax._config import AdaptiveScale, adaptive
+from adaloss_jax._diagnostics import check_health, scale_summary, scale_table
 from adaloss_jax._formats import (
     BFLOAT16,
     FLOAT8_E4M3,
@@ -27,11 +22,9 @@ from adaloss_jax._formats import (
     FloatFormat,
     float_format,
 )
-from adaloss_jax._points import scale_group
 from adaloss_jax._policies import (
     DynamicLossScale,
     GlobalScaler,
-    LossScalePolicy,
     LossScaleState,
     NoLossScale,
     StaticLossScale,
@@ -39,6 +32,8 @@ from adaloss_jax._policies import (
     no_scaling,
     static,
 )
+from adaloss_jax._record import scale_group
+from adaloss_jax._state import AdaptiveScaleState, GroupVector, ScaleStats
 from adaloss_jax._transforms import (
     SkipNonFiniteState,
     all_finite,
@@ -51,48 +46,51 @@ from adaloss_jax._transforms import (
     value_and_grad,
 )
 
-__version__ = "0.1.0"
+# Front ends register the hooks through which their frameworks report module calls (the
+# core imports no framework); linen's is registered here when flax is installed.
+with _contextlib.suppress(ImportError):
+    import adaloss_jax.flax._linen_hook  # noqa: F401
+
+__version__ = "0.2.0"
 
 __all__ = [
-    "GradientCheck",
-    "check_gradients",
     "AdaptiveScale",
     "AdaptiveScaleState",
-    "GroupVector",
-    "adaptive",
-    "adaptive_scaled",
-    "adaptive_state",
-    "adaptive_unscale",
-    "adaptive_value_and_grad",
-    "check_health",
-    "param_groups",
-    "scale_group",
-    "ScaleStats",
-    "scale_summary",
-    "scale_table",
     "BFLOAT16",
+    "DynamicLossScale",
     "FLOAT16",
     "FLOAT32",
     "FLOAT8_E4M3",
     "FLOAT8_E5M2",
     "FORMATS",
-    "DynamicLossScale",
     "FloatFormat",
     "GlobalScaler",
-    "LossScalePolicy",
+    "GradientCheck",
+    "GroupVector",
     "LossScaleState",
     "NoLossScale",
+    "ScaleStats",
     "SkipNonFiniteState",
     "StaticLossScale",
+    "adaptive",
+    "adaptive_scaled",
+    "adaptive_unscale",
+    "adaptive_value_and_grad",
     "all_finite",
+    "check_gradients",
+    "check_health",
     "dynamic",
     "float_format",
     "load_state",
     "loss_scaled",
     "no_scaling",
+    "param_groups",
     "save_state",
+    "scale_group",
     "scale_loss",
     "scale_state",
+    "scale_summary",
+    "scale_table",
     "select_tree",
     "skip_nonfinite",
     "static",

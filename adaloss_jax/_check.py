@@ -10,7 +10,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from adaloss_jax import _adaptive
+from adaloss_jax import _adaptive, _formats, _tree
+from adaloss_jax._config import AdaptiveScale
 from adaloss_jax.numerics import _stats, _table
 
 
@@ -42,7 +43,6 @@ class GradientCheck:
 def check_gradients(
     loss_fn: Callable[..., Any],
     reference_loss_fn: Callable[..., Any],
-    scaler: _adaptive.AdaptiveScale,
     opt_state: Any,
     params: Any,
     *args,
@@ -64,13 +64,17 @@ def check_gradients(
     fp16 rounding noise against an fp32 reference of about the same noise, so its
     relative error is large for any scaler; read such rows with that in mind.
     """
-    _adaptive._check_scaler(scaler)
-    compute, leaf_groups = _compiled(loss_fn, reference_loss_fn, scaler)
-    results = jax.device_get(compute(opt_state, params, args, kwargs))
-    groups = leaf_groups[jax.tree_util.tree_structure(params)]
+    if isinstance(opt_state, AdaptiveScale):
+        raise TypeError(
+            "check_gradients(loss_fn, reference_loss_fn, opt_state, params, *batch) reads the "
+            "scaler from opt_state: drop the scaler argument")
+    scaler = _adaptive.adaptive_state(opt_state).scaler
+    results, used = jax.device_get(
+        _compiled(loss_fn, reference_loss_fn, scaler)(opt_state, params, args, kwargs))
     rows, bad = [], []
-    for path, group, st in zip(_adaptive._leaf_paths(params), groups, results):
-        name = "/".join(path)
+    for path, st in zip(_tree.leaf_paths(params), results):
+        name = _tree.name(path)
+        group = _adaptive.leaf_group(path, set(used), scaler)
         row = {"name": name, "group": group or "(root)"}
         row.update({k: np.asarray(v).item() for k, v in st.items()})
         rows.append(row)
@@ -82,29 +86,25 @@ def check_gradients(
 @functools.lru_cache(maxsize=8)
 def _compiled(loss_fn, reference_loss_fn, scaler):
     """The jitted comparison, kept per (loss, reference, scaler): repeated checks of one
-    run compile once."""
+    run compile once. Returns each leaf's statistics and the groups in use (static
+    names of a :class:`~adaloss_jax.GroupVector`)."""
     fmt = scaler.format
-    # Filled while tracing: which group each leaf belongs to, per parameter structure.
-    leaf_groups: dict[Any, list[str]] = {}
 
     @jax.jit
     def compute(opt_state, params, args, kwargs):
-        groups = leaf_groups[jax.tree_util.tree_structure(params)] = []
-        _, grads, stats = _adaptive.adaptive_value_and_grad(loss_fn, scaler)(
+        _, grads, stats = _adaptive.adaptive_value_and_grad(loss_fn)(
             opt_state, params, *args, **kwargs
         )
         ref = jax.grad(reference_loss_fn)(params, *args, **kwargs)
         active = set(stats.log2_scales)
         out = []
         for path, g, r in zip(
-            _adaptive._leaf_paths(grads),
+            _tree.leaf_paths(grads),
             jax.tree_util.tree_leaves(grads),
             jax.tree_util.tree_leaves(ref),
         ):
-            group = _adaptive._leaf_group(path, active, scaler)
-            groups.append(group)
-            scale = _adaptive.pow2(stats.log2_scales[group])
+            scale = _formats.pow2(stats.log2_scales[_adaptive.leaf_group(path, active, scaler)])
             out.append(_stats.tensor_stats(r, g, scale, fmt))
-        return out
+        return out, stats.log2_scales
 
-    return compute, leaf_groups
+    return compute

@@ -48,7 +48,7 @@ def _i32(x) -> jax.Array:
     return jnp.asarray(x, jnp.int32)
 
 
-def _initial_state(scale: float, hysteresis: int) -> LossScaleState:
+def initial_state(scale: float, hysteresis: int) -> LossScaleState:
     return LossScaleState(
         loss_scale=jnp.asarray(scale, jnp.float32),
         finite_count=_i32(0),
@@ -61,7 +61,7 @@ def _initial_state(scale: float, hysteresis: int) -> LossScaleState:
     )
 
 
-def _count(state: LossScaleState, grads_finite, loss_finite) -> LossScaleState:
+def count_step(state: LossScaleState, grads_finite, loss_finite) -> LossScaleState:
     """Updates the step counters; the scale fields are left to the scaler."""
     applied = jnp.logical_and(grads_finite, loss_finite)
     skipped = jnp.logical_not(applied)
@@ -92,10 +92,10 @@ class NoLossScale:
         return 1
 
     def init(self) -> LossScaleState:
-        return _initial_state(1.0, 1)
+        return initial_state(1.0, 1)
 
     def adjust(self, state: LossScaleState, grads_finite, loss_finite=True) -> LossScaleState:
-        return _count(state, jnp.asarray(grads_finite), jnp.asarray(loss_finite))
+        return count_step(state, jnp.asarray(grads_finite), jnp.asarray(loss_finite))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -116,10 +116,10 @@ class StaticLossScale:
         return 1
 
     def init(self) -> LossScaleState:
-        return _initial_state(self.loss_scale, 1)
+        return initial_state(self.loss_scale, 1)
 
     def adjust(self, state: LossScaleState, grads_finite, loss_finite=True) -> LossScaleState:
-        return _count(state, jnp.asarray(grads_finite), jnp.asarray(loss_finite))
+        return count_step(state, jnp.asarray(grads_finite), jnp.asarray(loss_finite))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -175,13 +175,7 @@ class DynamicLossScale:
     def __post_init__(self):
         _validation.check_power_of_two("initial_scale", self.initial_scale)
         _validation.check_int("period", self.period, minimum=1)
-        _validation.check_positive_finite("factor", self.factor)
-        if not self.factor > 1:
-            raise ValueError(
-                f"factor must be > 1 (the scale grows by it and backs off by it), "
-                f"got {self.factor!r}; pass factor=2.0"
-            )
-        _validation.check_power_of_two("factor", self.factor)
+        _validation.check_growth_factor("factor", self.factor)
         _validation.check_power_of_two("min_loss_scale", self.min_loss_scale)
         _validation.check_power_of_two("max_loss_scale", self.max_loss_scale)
         if self.min_loss_scale > self.max_loss_scale:
@@ -199,7 +193,7 @@ class DynamicLossScale:
         _validation.check_bool("consecutive_hysteresis", self.consecutive_hysteresis)
 
     def init(self) -> LossScaleState:
-        return _initial_state(self.initial_scale, self.hysteresis)
+        return initial_state(self.initial_scale, self.hysteresis)
 
     def adjust(self, state: LossScaleState, grads_finite, loss_finite=True) -> LossScaleState:
         """Returns the next state (pure, branch-free, jit-able)."""
@@ -228,22 +222,11 @@ class DynamicLossScale:
             finite_count=finite_count.astype(jnp.int32),
             hysteresis_left=hyst.astype(jnp.int32),
         )
-        return _count(state, grads_finite, loss_finite)
+        return count_step(state, grads_finite, loss_finite)
 
 
 GlobalScaler = NoLossScale | StaticLossScale | DynamicLossScale
-LossScalePolicy = GlobalScaler  # its former name (these were called "policies")
 
-
-def renamed(scaler: Any, policy: Any, where: str) -> Any:
-    """``scaler``, or the same object passed under its old keyword ``policy=`` (warns)."""
-    if policy is None:
-        return scaler
-    if scaler is not None:
-        raise TypeError(f"{where}: pass scaler=... only (policy= is its old name)")
-    warnings.warn(f"{where}: policy= is now called scaler=; rename the argument",
-                  DeprecationWarning, stacklevel=3)
-    return policy
 
 _NOTICED: set[str] = set()
 

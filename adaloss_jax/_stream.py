@@ -35,29 +35,22 @@ from collections.abc import Iterable, Sequence
 from typing import NamedTuple
 
 import jax.extend.core as jcore
-import jax.numpy as jnp
 
-ROOT = ""
-POINT_PREFIX = "_adaloss_point_"
-PARAM_POINT = "_adaloss_params"
-
-# Higher-order primitives whose sub-jaxpr maps its inputs and outputs one to one.
-_POSITIONAL = {"jit", "pjit", "closed_call", "core_call", "checkpoint", "remat", "remat2",
-               "shard_map", "named_call", "custom_lin"}
-# Primitives whose derivative is user-defined: the pass joins everything they touch.
-_OPAQUE = {"custom_jvp_call", "custom_vjp_call", "custom_vjp_call_jaxpr"}
+from adaloss_jax import _jaxpr
+from adaloss_jax._tree import ROOT, is_differentiable
 
 
 class PointPlan(NamedTuple):
     """Static plan of one scale point: per floating leaf, the anchors of the region on the
     producer side ``x`` (where the converted cotangent goes) and on the consumer side ``y``
-    (where it arrives from). ``None`` for a point the program does not hold whole (a
-    trace a transform made and dropped, or pruned): it is no cut, and not applied; also
-    for a point that would only repeat the measurement of the point feeding it
-    (:func:`analyse`), which is not applied either."""
+    (where it arrives from). ``None`` for a point that is not applied: one the program
+    does not hold whole (a trace a transform made and dropped), one only inside opaque
+    equations (:mod:`adaloss_jax._jaxpr`), or one that would only repeat the measurement
+    of the point feeding it (:func:`analyse`)."""
 
-    x: tuple[tuple[str, ...], ...] | None
-    y: tuple[tuple[str, ...], ...] | None
+    x: tuple[tuple[str, ...] | None, ...] | None
+    y: tuple[tuple[str, ...] | None, ...] | None  # None for a leaf computed from the
+    # parameters alone (no data): it passes the point unmarked, as a parameter does
 
 
 class Plan(NamedTuple):
@@ -65,13 +58,8 @@ class Plan(NamedTuple):
     params: tuple[tuple[str, ...] | None, ...]  # per parameter leaf: anchors of its uses
 
 
-def _is_float(v) -> bool:
-    aval = getattr(v, "aval", None)
-    dtype = getattr(aval, "dtype", None)
-    try:
-        return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
-    except TypeError:  # extended dtypes (PRNG keys)
-        return False
+def _var(v) -> bool:
+    return not isinstance(v, jcore.Literal | jcore.DropVar) and is_differentiable(v)
 
 
 class _UnionFind:
@@ -91,7 +79,7 @@ class _UnionFind:
     def union(self, vs: Iterable) -> None:
         first = None
         for v in vs:
-            if isinstance(v, jcore.Literal) or isinstance(v, jcore.DropVar) or not _is_float(v):
+            if not _var(v):
                 continue
             r = self.find(v)
             if first is None:
@@ -100,15 +88,8 @@ class _UnionFind:
                 self.parent[r] = first
 
 
-def _subjaxprs(params) -> list:
-    out = []
-    for value in params.values():
-        for v in value if isinstance(value, tuple | list) else (value,):
-            if isinstance(v, jcore.ClosedJaxpr):
-                out.append(v.jaxpr)
-            elif isinstance(v, jcore.Jaxpr):
-                out.append(v)
-    return out
+_NOWHERE = object()  # the region of an opaque equation that touches no floating value
+_CONST, _PARAMS, _DATA = range(3)  # what a variable is computed from
 
 
 class _Walker:
@@ -116,12 +97,30 @@ class _Walker:
 
     def __init__(self):
         self.uf = _UnionFind()
+        self.reader = _jaxpr.Reader()
         self.points: dict[int, list[list[tuple[object, object]]]] = {}  # n -> occurrences
+        self.blobbed: set[int] = set()  # points met inside an opaque equation
         self.param_pairs: list[tuple[object, object]] = []
-        self.memo: dict = {}
         # n -> per occurrence, per leaf: the point whose output the leaf's input is, in
         # the same jaxpr and read by nothing else (None where it is not).
         self.fed: dict[int, list[list[int | None]]] = {}
+        # What each variable is computed from: parameters alone (a point passes such a
+        # leaf unmarked, as it passes the parameters themselves), data (the loss's other
+        # inputs, closed-over values, a loop's carry), or neither (constants). A variable
+        # of a jaxpr walked several times keeps the most data-like answer.
+        self.source: dict = {}
+        self.passed: dict[int, set[int]] = {}  # n -> its leaves that pass unmarked
+
+    def _source(self, v) -> int:
+        return _CONST if isinstance(v, jcore.Literal) else self.source.get(v, _DATA)
+
+    def _mark(self, vs, source: int) -> None:
+        for v in vs:
+            if not isinstance(v, jcore.Literal | jcore.DropVar):
+                self.source[v] = max(self.source.get(v, _CONST), source)
+
+    def _computed(self, ins) -> int:
+        return max((self._source(v) for v in ins), default=_CONST)
 
     def walk(self, jaxpr, blob=None) -> None:
         uf = self.uf
@@ -131,115 +130,78 @@ class _Walker:
                 uses[v] = uses.get(v, 0) + 1
         point_out: dict = {}  # outputs of scale points in this jaxpr -> point number
         for eqn in jaxpr.eqns:
-            name = eqn.primitive.name
-            label = eqn.params.get("name", "") if name in ("jit", "pjit") else ""
-            if isinstance(label, str) and label.startswith(POINT_PREFIX):
-                pairs = list(zip(eqn.invars, eqn.outvars))
+            kind = self.reader.kind(eqn)
+            ins, outs = list(eqn.invars), list(eqn.outvars)
+            if kind == _jaxpr.POINT:
+                n = _jaxpr.point_number(eqn)
+                pairs = list(zip(ins, outs))
+                for v, o in pairs:
+                    self._mark([o], self._source(v))
                 if blob is not None:  # inside an opaque derivative: no cut
-                    uf.union([blob] + [v for p in pairs for v in p])
-                n = int(label[len(POINT_PREFIX):])
+                    uf.union([blob] + ins + outs)
+                    self.blobbed.add(n)
+                    continue
+                passed = {i for i, (v, _) in enumerate(pairs) if self._source(v) == _PARAMS}
+                for i in passed:
+                    uf.union(pairs[i])
+                self.passed[n] = self.passed.get(n, passed) & passed
                 self.points.setdefault(n, []).append(pairs)
                 self.fed.setdefault(n, []).append(
-                    [point_out.get(v) if blob is None and uses.get(v) == 1 else None
-                     for v in eqn.invars])
-                if blob is None:
-                    point_out.update(dict.fromkeys(eqn.outvars, n))
+                    [point_out.get(v) if uses.get(v) == 1 else None for v in ins])
+                point_out.update(dict.fromkeys(outs, n))
                 continue
-            if label == PARAM_POINT:
-                self.param_pairs = list(zip(eqn.invars, eqn.outvars))
+            if kind == _jaxpr.PARAMS:
+                self.param_pairs = list(zip(ins, outs))
+                self._mark(outs, _PARAMS)
                 continue
-            subs = _subjaxprs(eqn.params)
-            if not subs or not any(self._has_points(sub) for sub in subs):
-                # No scale point inside: like any primitive, everything it touches is one
-                # region. (Not walked: jax shares the jaxpr of, e.g., a jitted activation
-                # between all its call sites, and its variables would join them.)
-                uf.union(([] if blob is None else [blob]) + list(eqn.invars)
-                         + list(eqn.outvars))
+            if kind in (_jaxpr.PLAIN, _jaxpr.OPAQUE) or blob is not None:
+                self._mark(outs, self._computed(ins))
+            if kind == _jaxpr.PLAIN:
+                # Not walked: jax shares the jaxpr of, e.g., a jitted activation between
+                # all its call sites, and its variables would join them.
+                uf.union(([] if blob is None else [blob]) + ins + outs)
                 continue
-            if blob is not None or not self._structured(eqn, name, subs):
-                # One region for everything the equation touches, inside and out.
-                rep = blob
-                if rep is None:
-                    cands = [v for v in (*eqn.invars, *eqn.outvars) if _floaty(v)]
-                    rep = cands[0] if cands else None
-                uf.union(([] if rep is None else [rep]) + list(eqn.invars) + list(eqn.outvars))
-                for sub in subs:
-                    if rep is None:
-                        self.walk(sub)
-                    else:
-                        uf.union([rep, *sub.invars, *sub.outvars, *sub.constvars])
-                        self.walk(sub, blob=rep)
+            subs = _jaxpr.subprograms(eqn)
+            if blob is None and kind != _jaxpr.OPAQUE:
+                self._structured(eqn, kind, [s.jaxpr for s in subs])
+                continue
+            # One region for everything the equation touches, inside and out.
+            rep = blob
+            if rep is None:
+                rep = next((v for v in (*ins, *outs) if _var(v)), None)
+            uf.union(([] if rep is None else [rep]) + ins + outs)
+            for sub in subs:
+                if rep is not None:
+                    uf.union([rep, *sub.jaxpr.invars, *sub.jaxpr.outvars,
+                              *sub.jaxpr.constvars])
+                self.walk(sub.jaxpr, blob=rep if rep is not None else _NOWHERE)
 
-    def _has_points(self, jaxpr) -> bool:
-        key = id(jaxpr)
-        if key not in self.memo:
-            found = False
-            for eqn in jaxpr.eqns:
-                label = eqn.params.get("name", "")
-                if isinstance(label, str) and label.startswith(POINT_PREFIX):
-                    found = True
-                    break
-                if any(self._has_points(sub) for sub in _subjaxprs(eqn.params)):
-                    found = True
-                    break
-            self.memo[key] = (found, jaxpr)  # keep jaxpr alive: ids stay unique
-        return self.memo[key][0]
-
-    def _structured(self, eqn, name, subs) -> bool:
-        """Maps a known higher-order equation's variables into its sub-jaxprs and walks
-        them; False where the structure is not the expected one (then it is opaque)."""
-        if name in _OPAQUE:
-            return False
+    def _structured(self, eqn, kind, subs) -> None:
+        """Maps a higher-order equation's variables into its sub-jaxprs and walks them."""
         ins, outs = list(eqn.invars), list(eqn.outvars)
-        if name in _POSITIONAL and len(subs) == 1:
-            sub = subs[0]
-            if len(sub.invars) != len(ins) or len(sub.outvars) != len(outs):
-                return False
+        if kind == _jaxpr.COND:
+            ins = ins[1:]  # the branch index
+        carry = range(0)
+        if kind == _jaxpr.SCAN:  # the loop's carry: never counted as parameters alone
+            nc = eqn.params["num_consts"]
+            carry = range(nc, nc + eqn.params["num_carry"])
+        for sub in subs:
             self._link(ins, sub.invars)
             self._link(outs, sub.outvars)
+            for i, (v, u) in enumerate(zip(ins, sub.invars)):
+                self._mark([u], _DATA if i in carry else self._source(v))
+            self._mark(sub.constvars, _CONST)
+            if kind == _jaxpr.SCAN:
+                self._link([sub.invars[i] for i in carry],
+                           sub.outvars[:len(carry)])
             self.walk(sub)
-            return True
-        if name == "scan" and len(subs) == 1:
-            sub = subs[0]
-            nc, ncar = eqn.params["num_consts"], eqn.params["num_carry"]
-            if len(sub.invars) != len(ins) or len(sub.outvars) != len(outs):
-                return False
-            self._link(ins, sub.invars)
-            self._link(outs, sub.outvars)
-            self._link(sub.invars[nc:nc + ncar], sub.outvars[:ncar])  # the loop's carry
-            self.walk(sub)
-            return True
-        if name == "while":
-            cn, bn = eqn.params["cond_nconsts"], eqn.params["body_nconsts"]
-            body, cond = eqn.params["body_jaxpr"].jaxpr, eqn.params["cond_jaxpr"].jaxpr
-            carry = ins[cn + bn:]
-            if len(body.invars) != bn + len(carry) or len(body.outvars) != len(outs):
-                return False
-            self._link(ins[cn:], body.invars)
-            self._link(outs, body.outvars)
-            self._link(body.invars[bn:], body.outvars)
-            self._link(ins[:cn] + carry, cond.invars)
-            self.walk(body)
-            self.walk(cond)
-            return True
-        if name == "cond":
-            for sub in subs:
-                if len(sub.invars) != len(ins) - 1 or len(sub.outvars) != len(outs):
-                    return False
-            for sub in subs:
-                self._link(ins[1:], sub.invars)
-                self._link(outs, sub.outvars)
-                self.walk(sub)
-            return True
-        return False
+        for i, v in enumerate(outs):
+            self._mark([v], _DATA if kind == _jaxpr.SCAN and i < len(carry)
+                       else max(self._source(sub.outvars[i]) for sub in subs))
 
     def _link(self, a: Sequence, b: Sequence) -> None:
         for u, v in zip(a, b):
             self.uf.union([u, v])
-
-
-def _floaty(v) -> bool:
-    return not isinstance(v, jcore.Literal | jcore.DropVar) and _is_float(v)
 
 
 def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
@@ -247,8 +209,8 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
     """The plan of a traced loss.
 
     Args:
-      jaxpr: the (open) jaxpr of the loss, traced with recording scale points
-        (``POINT_PREFIX + str(n)``) and one ``PARAM_POINT`` over the parameter leaves.
+      jaxpr: the (open) jaxpr of the loss, traced with recording scale points and one
+        parameter point (:mod:`adaloss_jax._jaxpr`).
       sizes: how many floating values each recorded scale point holds.
       param_owners: the scale group of each parameter leaf (``None`` for non-floating
         leaves), in the order of the parameter point's operands.
@@ -279,14 +241,14 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
     find = w.uf.find
 
     def region(v):
-        return find(v) if _floaty(v) else None
+        return find(v) if _var(v) else None
 
     fixed: dict = {}
     loss = jaxpr.outvars[loss_index]
     loss_region = region(loss)
     params_y = []
     for (x, y), owner in zip(w.param_pairs, param_owners):
-        if owner is None or not _floaty(y):
+        if owner is None or not _var(y):
             params_y.append(None)
             continue
         params_y.append(region(y))
@@ -328,12 +290,13 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
         if pairs is None:
             points.append(PointPlan(None, None))
             continue
-        x = tuple(of(region(v)) for v, _ in pairs)
-        y = tuple(of(region(v)) for _, v in pairs)
+        passed = w.passed.get(n, set())
+        x = tuple(None if i in passed else of(region(v)) for i, (v, _) in enumerate(pairs))
+        y = tuple(None if i in passed else of(region(v)) for i, (_, v) in enumerate(pairs))
         fed = w.fed.get(n, [])
         if (n not in keep and x == y and len(fed) == 1 and fed[0]
                 and all(a is not None and a in whole and len(w.points[a]) == 1
-                        for a in fed[0])):
+                        and a not in w.blobbed for a in fed[0])):
             points.append(PointPlan(None, None))  # a repeat of the point feeding it
             continue
         points.append(PointPlan(x=x, y=y))

@@ -2,7 +2,7 @@
 
 A front end builds a private copy of the model inside the traced loss and gives each of
 its modules a subclass whose public methods are reported to the active
-receivers (:func:`~adaloss_jax._points.report`) under the module's path. The path lives in the
+receivers (:func:`~adaloss_jax._record.report`) under the module's path. The path lives in the
 subclass, so it survives the framework's own flatten/unflatten (``nnx.scan``,
 ``nnx.remat``, ``eqx.filter_vmap``, ``jax.lax.scan`` over stacked layers): a rebuilt
 module keeps its class. Outside an adaptive gradient the methods are the originals.
@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 
-from adaloss_jax import _points
+from adaloss_jax import _record
 
 _SUBCLASSES: dict[tuple[type, tuple[str, ...]], type] = {}
 
@@ -21,7 +21,7 @@ def _scaled_method(cls: type, name: str):
     original = getattr(cls, name)
 
     def method(self, *args, **kwargs):
-        return _points.report(type(self)._adaloss_path, self,
+        return _record.report(type(self)._adaloss_path, self,
                               lambda *a, **k: original(self, *a, **k), args, kwargs)
 
     method.__name__ = name

@@ -29,6 +29,7 @@ import optax
 
 from adaloss_jax import _policies
 from adaloss_jax._policies import LossScaleState
+from adaloss_jax._state import AdaptiveScaleState
 
 
 def min_once(values: Sequence[jax.Array]) -> jax.Array:
@@ -204,50 +205,50 @@ def loss_scaled(
     return optax.chain(unscale(scaler, axis_name=axis_name), skip_nonfinite(inner))
 
 
-def _plain_state(tree: Any) -> Any:
-    """An optimizer state as a user may hold it, as plain arrays: a flax ``TrainState``
-    or ``nnx.Optimizer`` stands for its ``opt_state``; NNX variables for their values."""
+def _plain(tree: Any) -> Any:
+    """An optimizer state as a user may hold it, as plain arrays: a ``TrainState`` (or any
+    object with an ``opt_state``) stands for its ``opt_state``; variables that wrap an
+    array (NNX's, which have ``get_value``) for their values."""
     if not isinstance(tree, tuple | list | dict) and hasattr(tree, "opt_state"):
         tree = tree.opt_state
-    try:
-        from flax import nnx
-    except ImportError:  # no flax: no NNX variables either
+    wrapped = lambda x: hasattr(x, "get_value") and not isinstance(x, jax.Array)
+    if not any(wrapped(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=wrapped)):
         return tree
-    is_var = lambda x: isinstance(x, nnx.Variable)
-    if not any(is_var(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=is_var)):
-        return tree
-    return jax.tree_util.tree_map(lambda x: x.get_value() if is_var(x) else x, tree,
-                                  is_leaf=is_var)
+    return jax.tree_util.tree_map(lambda x: x.get_value() if wrapped(x) else x, tree,
+                                  is_leaf=wrapped)
 
 
-def find_one(tree: Any, kind: type, how_to_build: str) -> Any:
-    """The single instance of ``kind`` inside ``tree`` (e.g. an optimizer state, a flax
-    ``TrainState`` or an ``nnx.Optimizer``, NNX variables included)."""
-    tree = _plain_state(tree)
-    found = [
-        x
-        for x in jax.tree_util.tree_leaves(tree, is_leaf=lambda x: isinstance(x, kind))
-        if isinstance(x, kind)
-    ]
+def scale_state(tree: Any) -> Any:
+    """The scaler's state inside an optimizer state: the one
+    :class:`~adaloss_jax.LossScaleState` of a global scaler or
+    :class:`~adaloss_jax.AdaptiveScaleState` of an adaptive one.
+
+    Args:
+      tree: an optimizer state, a flax ``TrainState``, an ``nnx.Optimizer`` (or its
+        ``opt_state``), or a scaler state itself.
+
+    Returns:
+      The scaler state, as plain arrays. Both kinds read alike: ``loss_scale``,
+      ``last_applied``, ``total_applied``, ``total_skipped``, ``notfinite_count``.
+
+    Raises:
+      ValueError: if there is no scaler state, or more than one.
+
+    >>> import optax
+    >>> tx = loss_scaled(optax.sgd(0.1), _policies.static(8.0))
+    >>> float(scale_state(tx.init({"w": jnp.zeros(2)})).loss_scale)
+    8.0
+    """
+    kinds = (LossScaleState, AdaptiveScaleState)
+    found = [x for x in jax.tree_util.tree_leaves(_plain(tree),
+                                                  is_leaf=lambda x: isinstance(x, kinds))
+             if isinstance(x, kinds)]
     if len(found) != 1:
         raise ValueError(
-            f"expected exactly one {kind.__name__} in the optimizer state, found "
-            f"{len(found)}; build the optimizer with {how_to_build} and pass its state"
-        )
+            f"expected exactly one scaler state in the optimizer state, found {len(found)}; "
+            f"build the optimizer with adaloss_jax.loss_scaled(inner, scaler) (global) or "
+            f"adaloss_jax.adaptive_scaled(inner, adaloss_jax.adaptive(...)) and pass its state")
     return found[0]
-
-
-def scale_state(opt_state: Any) -> LossScaleState:
-    """Finds the one :class:`LossScaleState` inside an optimizer state.
-
-    Accepts a bare ``LossScaleState`` too. Raises ``ValueError`` if there is none or
-    more than one.
-    """
-    return find_one(
-        opt_state,
-        LossScaleState,
-        "optax.chain(adaloss_jax.unscale(...), adaloss_jax.skip_nonfinite(inner))",
-    )
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:

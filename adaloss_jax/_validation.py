@@ -58,6 +58,17 @@ def check_power_of_two(name: str, value) -> float:
     return v
 
 
+def check_growth_factor(name: str, value) -> float:
+    """A power of two > 1 (a scale grows or backs off by it)."""
+    v = check_positive_finite(name, value)
+    if not v > 1:
+        raise ValueError(
+            f"{name} must be > 1 (a scale grows or backs off by it), got {value!r}; pass "
+            f"{name}=2.0"
+        )
+    return check_power_of_two(name, v)
+
+
 def check_bool(name: str, value) -> bool:
     if not _is_bool(value):
         raise TypeError(f"{name} must be True or False, got {value!r}")

@@ -94,7 +94,7 @@ def make_step(config: str, model, multiplier: float, inner, period: int):
 def base_state(opt_state):
     """The LossScaleState (counters, root scale) and the adaptive state, if any."""
     try:
-        return alj.scale_state(opt_state), alj.adaptive_state(opt_state)
+        return alj.scale_state(opt_state), alj.scale_state(opt_state)
     except ValueError:  # a global scaler: no AdaptiveScaleState
         return alj.scale_state(opt_state), None
 

@@ -135,7 +135,7 @@ def make_tx(args, scaler):
 def base_state(opt_state):
     """The LossScaleState (counters, root scale) and the adaptive state, if any."""
     try:
-        return alj.scale_state(opt_state), alj.adaptive_state(opt_state)
+        return alj.scale_state(opt_state), alj.scale_state(opt_state)
     except ValueError:  # a global scaler: no AdaptiveScaleState
         return alj.scale_state(opt_state), None
 

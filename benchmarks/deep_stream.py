@@ -81,10 +81,10 @@ def settle_and_probe(model16, model32, scaler, x, y, steps: int = 6):
     step = jax.jit(step)
     for _ in range(steps):
         params, opt_state, _ = step(params, opt_state, x, y)
-    vg = jax.jit(alj.adaptive_value_and_grad(loss16, scaler))
+    vg = jax.jit(alj.adaptive_value_and_grad(loss16))
     _, scaled, _ = vg(opt_state, params, x, y)
     ref = jax.jit(jax.grad(xent_loss(model32)))(params, x, y)
-    ad = alj.adaptive_state(opt_state)
+    ad = alj.scale_state(opt_state)
     return scaled, ref, ad
 
 
@@ -163,13 +163,13 @@ def run_fp8(args) -> None:
             acc = float(np.mean(np.argmax(np.asarray(logits, np.float32), -1) == test_y))
             row = {"seed": seed, "acc": acc, "loss": float(loss)}
             if scaler is not None:
-                vg = jax.jit(alj.adaptive_value_and_grad(xent_loss(m16), scaler))
+                vg = jax.jit(alj.adaptive_value_and_grad(xent_loss(m16)))
                 _, scaled, _ = vg(opt_state, params, *probe)
                 ref = jax.jit(jax.grad(xent_loss(m32)))(params, *probe)
                 under = layer_underflow(scaled, ref, args.fp8_depth, guaranteed_span(scaler))
                 row["underflow"] = [u[0] for u in under]
                 row["held"] = [u[2] for u in under]
-                row["skipped"] = int(alj.adaptive_state(opt_state).base.total_skipped)
+                row["skipped"] = int(alj.scale_state(opt_state).base.total_skipped)
             results[name].append(row)
             extra = ""
             if "underflow" in row:

@@ -31,13 +31,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from overhead import SIZES, build_step  # noqa: E402
 from underflow_table import GPT  # noqa: E402
 
-from adaloss_jax import _points  # noqa: E402
+from adaloss_jax import _channel  # noqa: E402
 
 
 def _constant_row(cts, ratio, cfg):
     """A statistics row that reads nothing: amax 1, everything else 0."""
     del cts, ratio
-    return jnp.zeros((_points.width(cfg.hist_lo is not None),), jnp.float32).at[0].set(1.0)
+    return jnp.zeros((cfg.columns.width,), jnp.float32).at[0].set(1.0)
 
 
 VARIANTS = {  # name: (statistics on, conversion on)
@@ -53,15 +53,15 @@ def variant(name):
     """The library's own scale point with parts switched off while tracing: the
     statistics row replaced by a constant, or every point built with ``convert=False``."""
     stats, convert = VARIANTS[name]
-    point, row = _points._scale_point, _points._stats
+    point, row = _channel.scale_point, _channel.measure
     if not convert:
-        _points._scale_point = lambda cfg, *a: point(cfg._replace(convert=False), *a)
+        _channel.scale_point = lambda cfg, *a: point(cfg._replace(convert=False), *a)
     if not stats:
-        _points._stats = _constant_row
+        _channel.measure = _constant_row
     try:
         yield
     finally:
-        _points._scale_point, _points._stats = point, row
+        _channel.scale_point, _channel.measure = point, row
 
 
 def main(argv=None) -> int:

@@ -58,7 +58,7 @@ def settled(groups: str, fmt: str, loss16, params, batch, steps: int):
     """The scaled gradients after ``steps`` steps at lr 0, and the adaptive state."""
     scaler = alj.adaptive(groups=groups, **FORMATS[fmt])
     tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(0.0)))
-    vg = alj.adaptive_value_and_grad(loss16, scaler)
+    vg = alj.adaptive_value_and_grad(loss16)
 
     @jax.jit
     def step(state):
@@ -69,7 +69,7 @@ def settled(groups: str, fmt: str, loss16, params, batch, steps: int):
     state = tx.init(params)
     for _ in range(steps):
         state, grads = step(state)
-    return grads, alj.adaptive_state(state)
+    return grads, alj.scale_state(state)
 
 
 def main(argv=None) -> int:

@@ -98,7 +98,7 @@ def state_summary(config: str, opt_state) -> dict:
     if config == "dynamic":
         st = alj.scale_state(opt_state)
         return {"scale": float(st.loss_scale), "skipped": int(st.total_skipped)}
-    st = alj.adaptive_state(opt_state)
+    st = alj.scale_state(opt_state)
     out = {f"s[{g}]": float(v) for g, v in st.log2_scales.items()}
     out["skipped"] = int(st.base.total_skipped)
     return out

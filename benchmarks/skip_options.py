@@ -103,7 +103,7 @@ def main() -> None:
                 applied_dp.append(dp)
             params, state = new_params, new_state
         finite = all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree_util.tree_leaves(params))
-        skipped = int(alj.adaptive_state(state).base.total_skipped)
+        skipped = int(alj.scale_state(state).base.total_skipped)
         logits = MLP().apply({"params": params}, test_x).astype(jnp.float32)
         acc = (float(np.mean(np.argmax(np.asarray(logits), -1) == test_y)) if finite
                else float("nan"))

@@ -56,7 +56,7 @@ def main(out, pid, nproc, port):
 
         @jax.jit
         def step(params, state, x, y, tx=tx, scaler=scaler):
-            loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(state, params, x, y)
+            loss, grads, stats = alj.adaptive_value_and_grad(loss_fn)(state, params, x, y)
             updates, state = tx.update(grads, state, params, loss=loss, scale_stats=stats)
             return optax.apply_updates(params, updates), state
 
@@ -70,11 +70,11 @@ def main(out, pid, nproc, port):
             x = jax.make_array_from_process_local_data(data, xs[t, lo:hi])
             y = jax.make_array_from_process_local_data(data, ys[t, lo:hi])
             params, state = step(params, state, x, y)
-            ad = alj.adaptive_state(jax.tree_util.tree_map(
+            ad = alj.scale_state(jax.tree_util.tree_map(
                 lambda a: np.asarray(a.addressable_data(0)), state))
             applied.append(bool(ad.base.last_applied))
         local = lambda a: np.asarray(a.addressable_data(0))
-        ad = alj.adaptive_state(jax.tree_util.tree_map(local, state))
+        ad = alj.scale_state(jax.tree_util.tree_map(local, state))
         result[f"{groups}/applied"] = np.asarray(applied)
         result[f"{groups}/counters"] = np.asarray(
             [int(ad.base.total_applied), int(ad.base.total_skipped), int(ad.base.notfinite_count)])

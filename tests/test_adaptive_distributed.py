@@ -1,5 +1,6 @@
-"""Adaptive scaling on 8 CPU devices: SPMD jit equals one device; under shard_map an
-``axis_name`` makes every device choose the same per-group scales."""
+"""Adaptive scaling on 8 CPU devices: SPMD jit equals one device; under ``shard_map``
+the devices agree on every scale through ``axis_name``, and only through it where
+nothing else reduces their statistics."""
 
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ def loss_fn(params, x, y):
     return classification_loss(MODEL, {"params": params}, x, y)[0] * 2.0**-20
 
 
-TX = optax.chain(alj.adaptive_unscale(SCALER), alj.skip_nonfinite(optax.adam(1e-2)))
+TX = alj.adaptive_scaled(optax.adam(1e-2), SCALER)
 
 
 def _data(steps=4, batch=32):
@@ -37,7 +38,7 @@ def _data(steps=4, batch=32):
 
 @jax.jit
 def spmd_step(params, state, x, y):
-    loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, SCALER)(state, params, x, y)
+    loss, grads, stats = alj.adaptive_value_and_grad(loss_fn)(state, params, x, y)
     updates, state = TX.update(grads, state, params, loss=loss, scale_stats=stats)
     return optax.apply_updates(params, updates), state
 
@@ -60,65 +61,75 @@ def test_spmd_jit_sharded_batch_equals_single_device(mesh):
         lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))),
         lambda a: jax.device_put(a, NamedSharding(mesh, P())),
     )
-    for (p1, s1), (p8, s8) in zip(single, sharded):
-        a1, a8 = alj.adaptive_state(s1), alj.adaptive_state(s8)
+    for t, ((p1, s1), (p8, s8)) in enumerate(zip(single, sharded)):
+        a1, a8 = alj.scale_state(s1), alj.scale_state(s8)
         assert {g: float(v) for g, v in a1.log2_scales.items()} == {
-            g: float(v) for g, v in a8.log2_scales.items()
-        }
-        assert bool(a8.base.last_applied)
+            g: float(v) for g, v in a8.log2_scales.items()}
+        assert bool(a8.last_applied) == bool(a1.last_applied) == (t > 0)  # step 0: scale 1
         for u, v in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p8)):
             np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-6)
     # The statistics really moved the scales (the loss is 2^-20 small).
-    assert all(float(v) > 10 for v in alj.adaptive_state(sharded[-1][1]).log2_scales.values())
+    assert all(float(v) > 10 for v in alj.scale_state(sharded[-1][1]).log2_scales.values())
 
 
 @functools.cache
-def mapped_step(mesh, axis_name):
-    tx = optax.chain(
-        alj.adaptive_unscale(SCALER, axis_name=axis_name), alj.skip_nonfinite(optax.sgd(0.1))
-    )
+def mapped_step(mesh, axis_name, check_vma):
+    tx = alj.adaptive_scaled(optax.sgd(0.1), SCALER, axis_name=axis_name)
 
     def local(params, state, x, y):
-        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, SCALER)(state, params, x, y)
+        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn)(state, params, x, y)
         _, state = tx.update(grads, state, params, loss=loss, scale_stats=stats)
         # A leading axis of size 1 so that each device's own state comes back.
         return jax.tree_util.tree_map(lambda a: a[None], state)
 
     f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data"), P("data")),
-                  out_specs=P("data"))
+                      out_specs=P("data"), check_vma=check_vma)
     return tx, jax.jit(f)
 
 
-@pytest.mark.parametrize("axis_name", ["data", None], ids=["axis_name", "no-axis_name"])
-def test_shard_map_devices_agree_on_scales(mesh, axis_name):
-    """Each device's batch shard has a different magnitude (2^d), so local statistics
-    differ by 7 binades; yet every device picks the same scales. The scale points reduce
-    cotangent statistics over the mapped axes (a custom_vjp cotangent must have its
-    input's replicated type), and the gradient of a replicated parameter is already
-    summed over devices, so this holds even without ``axis_name``; ``axis_name`` adds the
-    reduction for parameters that are themselves sharded (and for pmap)."""
+def _per_device_scales(mesh, axis_name, check_vma):
+    """Each device's batch shard has a different magnitude (2^d): local statistics differ
+    by 7 binades."""
     xs, ys = _data(steps=1, batch=8 * N)
     x = xs[0] * np.repeat(2.0 ** np.arange(N), 8)[:, None].astype(np.float32)
     params = MODEL.init(jax.random.key(0), x)["params"]
-    tx, step = mapped_step(mesh, axis_name)
-    state = tx.init(params)
+    tx, step = mapped_step(mesh, axis_name, check_vma)
     rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
-    params, state = jax.device_put((params, state), rep)
-    out = step(params, state, jax.device_put(x, dat), jax.device_put(ys[0], dat))
-    ad = alj.adaptive_state(out)
-    for g, v in ad.log2_scales.items():
-        v = np.asarray(v)
+    params, state = jax.device_put((params, tx.init(params)), rep)
+    out = alj.scale_state(step(params, state, jax.device_put(x, dat),
+                               jax.device_put(ys[0], dat)))
+    return params, x, ys[0], out
+
+
+@pytest.mark.parametrize("axis_name", ["data", None], ids=["axis_name", "no-axis_name"])
+def test_typed_shard_map_devices_agree_and_equal_one_device(mesh, axis_name):
+    """With ``check_vma`` (the default) JAX types every cotangent as varying over the
+    mapped axis: the scale points reduce their statistics over it and the gradient of a
+    replicated parameter is summed over the devices, so the devices agree even without
+    ``axis_name``, on the scales one device picks for the whole batch."""
+    params, x, y, ad = _per_device_scales(mesh, axis_name, check_vma=True)
+    for g in ad.groups:
+        v = np.asarray(ad.log2_scales[g])
         assert np.all(v == v[0]), g
-    assert np.all(np.asarray(ad.base.last_applied))
-    # And they equal one device's on the whole batch, with the loss as shard_map sums it
-    # (the sum of the 8 local means, i.e. 8x the global mean).
-    single = spmd_one(params, TX.init(params), x, ys[0])
-    for g, v in alj.adaptive_state(single).log2_scales.items():
-        assert float(np.asarray(ad.log2_scales[g])[0]) == float(v), g
-
-
-@jax.jit
-def spmd_one(params, state, x, y):
+    # One device on the whole batch, with the loss as shard_map sums it (8 local means).
     summed = lambda p, x, y: loss_fn(p, x, y) * N
-    loss, grads, stats = alj.adaptive_value_and_grad(summed, SCALER)(state, params, x, y)
-    return TX.update(grads, state, params, loss=loss, scale_stats=stats)[1]
+    state = TX.init(params)
+    _, grads, stats = jax.jit(alj.adaptive_value_and_grad(summed))(state, params, x, y)
+    single = alj.scale_state(TX.update(grads, state, params, scale_stats=stats)[1])
+    for g in ad.groups:
+        assert float(np.asarray(ad.log2_scales[g])[0]) == float(single.log2_scales[g]), g
+
+
+def test_untyped_shard_map_devices_agree_only_with_axis_name(mesh):
+    """With ``check_vma=False`` nothing reduces the statistics or the gradients over the
+    devices: without ``axis_name`` each device picks scales from its own shard (they
+    differ), with it every device picks the same."""
+    _, _, _, local = _per_device_scales(mesh, None, check_vma=False)
+    _, _, _, agreed = _per_device_scales(mesh, "data", check_vma=False)
+    spread = {g: np.ptp(np.asarray(local.log2_scales[g])) for g in local.groups}
+    assert max(spread.values()) >= 4, spread  # 7 binades of magnitude between the shards
+    for g in agreed.groups:
+        v = np.asarray(agreed.log2_scales[g])
+        assert np.all(v == v[0]), g
+        # The agreed scale is the one the largest shard calls for (the smallest scale).
+        assert v[0] == np.min(np.asarray(local.log2_scales[g])), g

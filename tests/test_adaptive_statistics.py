@@ -12,7 +12,7 @@ from flax import linen as nn
 from test_adaptive import _grads_through, _setup, known_stats
 
 import adaloss_jax as alj
-from adaloss_jax._adaptive import HEALTH_SKIPPING
+from adaloss_jax._state import HEALTH_SKIPPING
 
 LOG2_MAX = math.log2(65504.0)  # fp16
 E_MIN = -24  # log2 of fp16's smallest subnormal
@@ -47,7 +47,7 @@ def _quantile_step(log2_scale: int):
 
     @jax.jit
     def step(c):
-        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(state, params, c)
+        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn)(state, params, c)
         _, new = tx.update(grads, state, params, loss=loss, scale_stats=stats)
         return new.log2_scales[""], stats.hist[""]
 
@@ -161,15 +161,15 @@ def test_quantile_on_fp16_model_flushes_at_most_about_threshold():
     assert hist[: E_MIN + 1 - lo].sum() <= T * hist.sum()
 
 
-def test_interval_closed_form_loop():
-    """interval=F: scales are recomputed on steps where the applied steps so far are a
+def test_period_closed_form_loop():
+    """period=F: scales are recomputed on steps where the applied steps so far are a
     multiple of F and held otherwise; an overflow backs the group that overflowed off at
     once (the other groups follow the same F-step rhythm)."""
     F, backoff = 3, 2
     params = {"params": {k: {"w": jnp.zeros((3,))} for k in "ab"}}
     # decay=inf: this step's amax alone (the held peak has a test of its own).
-    scaler = alj.adaptive(groups="module", interval=F, backoff=backoff, margin=MARGIN,
-                          decay=math.inf)
+    scaler = alj.adaptive(groups="module", period=F, factor=2.0**backoff, margin=MARGIN,
+                          decay=math.inf, max_rise=1000)
     tx = alj.adaptive_unscale(scaler)
     update = jax.jit(functools.partial(tx.update, params=None))
     state = tx.init(params)
@@ -197,13 +197,19 @@ def test_interval_closed_form_loop():
         for g in "ab":
             assert float(state.log2_scales[g]) == s[g], (t, g)
         assert int(state.base.total_applied) == applied
-    # The loop really held scales: interval=1 would have moved them on every step.
+    # The loop really held scales: period=1 would have moved them on every step.
     assert applied == steps - len(overflow_a)
 
 
 def test_options_are_validated():
-    with pytest.raises(ValueError, match="interval"):
-        alj.adaptive(interval=0)
+    with pytest.raises(ValueError, match="period"):
+        alj.adaptive(period=0)
+    with pytest.raises(ValueError, match="factor"):
+        alj.adaptive(factor=1.0)
+    with pytest.raises(ValueError, match="max_rise"):
+        alj.adaptive(max_rise=0)
+    with pytest.raises(TypeError):
+        alj.adaptive("amax")  # keyword-only
     with pytest.raises(ValueError, match="quantile"):
         alj.adaptive(statistic="median")
 
@@ -216,7 +222,8 @@ def test_held_peak_sinks_by_decay_per_step_above_the_global_floor(root_unit):
     -12: the floor binds whenever the peak is held above this step's amax."""
     params = {"params": {"a": {"w": jnp.zeros((3,))}}}
     d, margin = 0.25, 2
-    scaler = alj.adaptive(groups="module", decay=d, margin=margin, grad_dtype="float8_e4m3fn")
+    scaler = alj.adaptive(groups="module", decay=d, margin=margin, grad_dtype="float8_e4m3fn",
+                          max_rise=1000)
     tx = alj.adaptive_unscale(scaler)
     update = jax.jit(functools.partial(tx.update, params=None))
     state = tx.init(params)
@@ -249,11 +256,11 @@ def test_after_max_consecutive_skips_every_group_backs_off():
     holds its scale. When K skips in a row show that blame is not fixing it, every group
     backs off (the recovery one global scale would make)."""
     params = {"params": {k: {"w": jnp.zeros((3,))} for k in "ab"}}
-    scaler = alj.adaptive(groups="module", max_consecutive_skips=2, backoff=1)
+    scaler = alj.adaptive(groups="module", max_consecutive_skips=2, factor=2.0)
     tx = alj.adaptive_unscale(scaler)
     update = jax.jit(functools.partial(tx.update, params=None))
     state = tx.init(params)
-    state = state._replace(log2_scales={g: jnp.float32(10.0) for g in state.log2_scales})
+    state = state.with_log2_scales({g: 10 for g in state.log2_scales})
     b_scales = []
     for _ in range(4):
         rows = {"": (1.0, 0.0, 8.0, False), "a": (math.inf, 0.0, 8.0, True),
@@ -267,18 +274,18 @@ def test_after_max_consecutive_skips_every_group_backs_off():
     assert int(state.health) & HEALTH_SKIPPING
 
 
-def test_a_group_blamed_first_backs_off_by_backoff_alone():
+def test_a_group_blamed_first_backs_off_by_factor_alone():
     """The harder backoff after consecutive skips is for a group that overflowed at the
     previous step too. Skips in a row, each blaming another group, once dropped every
     newly blamed group by backoff * 16, so a run kept skipping (docs/results.md section 8);
     each now drops by backoff."""
     groups = "abcd"
     params = {"params": {k: {"w": jnp.zeros((3,))} for k in groups}}
-    scaler = alj.adaptive(groups="module", backoff=2)
+    scaler = alj.adaptive(groups="module", factor=4.0)
     tx = alj.adaptive_unscale(scaler)
     update = jax.jit(functools.partial(tx.update, params=None))
     state = tx.init(params)
-    state = state._replace(log2_scales={g: jnp.float32(20.0) for g in state.log2_scales})
+    state = state.with_log2_scales({g: 20 for g in state.log2_scales})
     for t, blamed in enumerate("abcdd"):
         rows = {"": (1.0, 0.0, 8.0, False)}
         for g in groups:

@@ -34,14 +34,14 @@ SCRIPT = textwrap.dedent('''
 
     @jax.jit
     def step(params, state, x):
-        loss, g, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(state, params, x)
+        loss, g, stats = alj.adaptive_value_and_grad(loss_fn)(state, params, x)
         u, state = tx.update(g, state, params, loss=loss, scale_stats=stats)
         return optax.apply_updates(params, u), state
 
     state = tx.init(params)
     for _ in range(3):
         params, state = step(params, state, jnp.ones((8, 4), jnp.float16))
-    ad = alj.adaptive_state(state)
+    ad = alj.scale_state(state)
     assert "flax" not in sys.modules
     assert bool(ad.base.last_applied)
     print(sorted((g, int(v)) for g, v in ad.log2_scales.items()))

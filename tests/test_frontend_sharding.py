@@ -46,7 +46,7 @@ def _linen():
     model = LinenNet()
     params = model.init(jax.random.key(0), jnp.zeros((1, D)))["params"]
     vg = lambda scaler: alj.adaptive_value_and_grad(
-        lambda p, x, y: _xent(model.apply({"params": p}, x), y), scaler)
+        lambda p, x, y: _xent(model.apply({"params": p}, x), y))
     return params, lambda scaler, state, params, x, y: vg(scaler)(state, params, x, y)
 
 
@@ -68,7 +68,7 @@ def _nnx():
     def vg(scaler, state, params, x, y):
         model = nnx.merge(graphdef, params)
         loss, grads, stats = nnx_adaptive_value_and_grad(
-            lambda m, x, y: _xent(m(x), y), scaler)(state, model, x, y)
+            lambda m, x, y: _xent(m(x), y))(state, model, x, y)
         return loss, nnx.as_pure(grads), stats
 
     return params, vg
@@ -104,7 +104,7 @@ def _equinox():
     params, static = eqx.partition(EqxNet(jax.random.key(0)), eqx.is_inexact_array)
 
     def vg(scaler, state, params, x, y):
-        return eqx_adaptive_value_and_grad(lambda m, x, y: _xent(m(x), y), scaler)(
+        return eqx_adaptive_value_and_grad(lambda m, x, y: _xent(m(x), y))(
             state, eqx.combine(params, static), x, y)
 
     return params, vg
@@ -124,7 +124,7 @@ def _pure():
         return _xent(dense["head"](p["head"], h + dense["b"](p["b"], h)), y)
 
     return params, lambda scaler, state, params, x, y: alj.adaptive_value_and_grad(
-        loss_fn, scaler)(state, params, x, y)
+        loss_fn)(state, params, x, y)
 
 
 FRONT_ENDS = {"linen": _linen, "nnx": _nnx, "equinox": _equinox, "pure-jax": _pure}
@@ -151,7 +151,7 @@ def test_sharded_batch_gives_the_single_device_scales(mesh, front_end):
         out = []
         for x, y in zip(xs, ys):
             p, s = step(p, s, jax.device_put(x, batch_sharding), jax.device_put(y, batch_sharding))
-            ad = alj.adaptive_state(s)
+            ad = alj.scale_state(s)
             out.append((p, {g: float(v) for g, v in ad.log2_scales.items()},
                         bool(ad.base.last_applied)))
         return out

@@ -30,7 +30,7 @@ def test_adaptive_step_has_no_host_round_trips():
     tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.adamw(1e-3)))
 
     def step(params, state, x):
-        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(state, params, x)
+        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn)(state, params, x)
         updates, state = tx.update(grads, state, params, loss=loss, scale_stats=stats)
         return optax.apply_updates(params, updates), state
 

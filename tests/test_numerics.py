@@ -517,8 +517,8 @@ def test_taps_inside_an_adaptive_gradient_see_each_call_once():
         with numerics.taps(lambda k, leaf: keys.append(k) or leaf):
             return classification_loss(model, {"params": p}, x, y)[0]
 
-    plain = jax.jit(alj.adaptive_value_and_grad(lambda p, x, y: loss(p, x, y, False), scaler))
-    tapped = jax.jit(alj.adaptive_value_and_grad(lambda p, x, y: loss(p, x, y, True), scaler))
+    plain = jax.jit(alj.adaptive_value_and_grad(lambda p, x, y: loss(p, x, y, False)))
+    tapped = jax.jit(alj.adaptive_value_and_grad(lambda p, x, y: loss(p, x, y, True)))
     a, b = plain(state, params, x, y), tapped(state, params, x, y)
     for u, v in zip(jax.tree_util.tree_leaves(a), jax.tree_util.tree_leaves(b)):
         np.testing.assert_array_equal(u, v)

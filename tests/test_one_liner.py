@@ -56,7 +56,7 @@ BLOWS = [1.0, 1.0, 1.0, 2.0**60, 1.0, 1.0]
 def test_literal_chain_never_poisons_and_trains():
     tx = optax.chain(alj.adaptive_unscale(), optax.adamw(1e-2))
     hist = _train(tx, BLOWS)
-    skipped = [not bool(alj.adaptive_state(s).base.last_applied) for _, s in hist[1:]]
+    skipped = [not bool(alj.scale_state(s).base.last_applied) for _, s in hist[1:]]
     # Step 1 (scale 1: everything flushes) and step 4 (overflow) are skipped.
     assert skipped == [True, False, False, True, False, False]
     for p, _ in hist:
@@ -70,7 +70,7 @@ def test_adaptive_scaled_skips_exactly():
     tx = alj.adaptive_scaled(optax.adamw(1e-2))
     hist = _train(tx, BLOWS)
     (p3, s3), (p4, s4) = hist[3], hist[4]
-    assert not bool(alj.adaptive_state(s4).base.last_applied)
+    assert not bool(alj.scale_state(s4).base.last_applied)
     for a, b in zip(jax.tree_util.tree_leaves(p3), jax.tree_util.tree_leaves(p4)):
         np.testing.assert_array_equal(a, b)
     inner3, inner4 = s3[1], s4[1]
@@ -88,13 +88,13 @@ def test_state_statistics_or_gradients_of_another_model_are_refused():
     params, loss_fn, x, y = _setup()
     other = Wide().init(jax.random.key(1), x)["params"]
     tx = alj.adaptive_scaled(optax.adamw(1e-2), alj.adaptive(groups="module"))
-    vg = alj.adaptive_value_and_grad(loss_fn, alj.adaptive(groups="module"))
+    vg = alj.adaptive_value_and_grad(loss_fn)
 
     def wide_loss(p, x, y, blow):
         logits = Wide().apply({"params": p}, x).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() * blow
 
-    wide_vg = alj.adaptive_value_and_grad(wide_loss, alj.adaptive(groups="module"))
+    wide_vg = alj.adaptive_value_and_grad(wide_loss)
     state, other_state = tx.init(params), tx.init(other)
     one = jnp.float32(1.0)
     with pytest.raises(ValueError, match="another model.*tx.init"):

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 from flax import linen as nn
-from hypothesis import HealthCheck, Phase, example, given, settings
+from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import adaloss_jax as alj
@@ -153,7 +153,7 @@ def _run(scaler, loss_fn, params, tokens, steps):
 
     @jax.jit
     def step(state, params, tokens):
-        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn, scaler)(state, params, tokens)
+        loss, grads, stats = alj.adaptive_value_and_grad(loss_fn)(state, params, tokens)
         updates, state = tx.update(grads, state, params, loss=loss, scale_stats=stats)
         return updates, state, grads
 
@@ -161,8 +161,16 @@ def _run(scaler, loss_fn, params, tokens, steps):
     out = []
     for _ in range(steps):
         updates, state, scaled = step(state, params, tokens)
-        out.append((updates, alj.adaptive_state(state), scaled))
+        out.append((updates, alj.scale_state(state), scaled))
     return out
+
+
+def _applied_points(loss_fn, scaler, params, *batch) -> set[int]:
+    """The scale points the plan applies (their numbers)."""
+    from adaloss_jax import _adaptive
+
+    _, program, _ = _adaptive.trace(loss_fn, scaler, params, batch, {})
+    return {n for n, p in enumerate(program.plan.points) if p.x is not None}
 
 
 def _rel_err(a, r) -> float:
@@ -196,9 +204,9 @@ def _random_net(ops, tied, tiny):
 def conformance_step(scaler, loss_fn, params, *batch):
     """The jitted ``step(state) -> (updates, state, scaled gradients)`` that
     ``assert_conformance`` drives (updates are the unscaled gradients: sgd(-1)), its
-    initial state and the ``adaptive_value_and_grad`` function (its ``plans``)."""
+    initial state and the ``adaptive_value_and_grad`` function."""
     tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
-    vg = alj.adaptive_value_and_grad(loss_fn, scaler)
+    vg = alj.adaptive_value_and_grad(loss_fn)
 
     @jax.jit
     def step(state):
@@ -219,8 +227,8 @@ def assert_conformance(step, state, results, groups, ref, ops, reached) -> None:
     for t in range(3 + 20):
         updates, state, scaled = step(state)
         if t >= 3:
-            assert bool(alj.adaptive_state(state).base.last_applied), (ops, groups, t)
-    results[groups] = (updates, scaled, alj.adaptive_state(state))
+            assert bool(alj.scale_state(state).base.last_applied), (ops, groups, t)
+    results[groups] = (updates, scaled, alj.scale_state(state))
     if set(results) != {"module", "global"}:
         return
     updates, scaled, ad = results["module"]
@@ -235,7 +243,7 @@ def _underflow(scaled, ref) -> list[float]:
             for a, r in zip(jax.tree_util.tree_leaves(scaled), jax.tree_util.tree_leaves(ref))]
 
 
-@settings(max_examples=2, deadline=None, derandomize=True,
+@settings(max_examples=2, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4), tied=st.booleans(),
        tiny=st.sampled_from([1.0, 2.0**-12, 2.0**-20]))
@@ -338,7 +346,7 @@ def _nnx_model(ops, tied, dtype):
 NNX_OPS = ("dense", "residual", "reuse", "concat", "cross", "bn", "scan", "remat", "dict")
 
 
-@settings(max_examples=1, deadline=None, derandomize=True, phases=[Phase.explicit],
+@settings(max_examples=1, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(st.sampled_from(NNX_OPS), min_size=2, max_size=4), tied=st.booleans())
 @example(ops=["scan", "reuse", "remat", "dict"], tied=True)  # every op in two examples
@@ -366,7 +374,7 @@ def test_random_nnx_graphs_exact_and_no_worse_than_global(ops, tied):
 
         @nnx.jit
         def step(model, state, scaler=scaler, tx=tx):
-            loss, g, stats = nnx_adaptive_value_and_grad(loss_fn, scaler)(state, model, tokens)
+            loss, g, stats = nnx_adaptive_value_and_grad(loss_fn)(state, model, tokens)
             params = nnx.as_pure(nnx.state(model, nnx.Param))
             updates, state = tx.update(nnx.as_pure(g), state, params, loss=loss,
                                        scale_stats=stats)
@@ -376,9 +384,9 @@ def test_random_nnx_graphs_exact_and_no_worse_than_global(ops, tied):
         for t in range(warm + checked):
             updates, state, scaled = step(model, state)
             if t >= warm:
-                assert bool(alj.adaptive_state(state).base.last_applied), (ops, groups, t)
+                assert bool(alj.scale_state(state).base.last_applied), (ops, groups, t)
         if groups == "module":  # every module the loss reaches got a scale of its own
-            moved = {g for g, v in alj.adaptive_state(state).log2_scales.items() if v != 0}
+            moved = {g for g, v in alj.scale_state(state).log2_scales.items() if v != 0}
             reached = {"/".join(str(k.key) for k in path[:-1])
                        for path, r in jax.tree_util.tree_flatten_with_path(ref)[0]
                        if np.any(np.asarray(r) != 0)}
@@ -393,7 +401,7 @@ def test_random_nnx_graphs_exact_and_no_worse_than_global(ops, tied):
 # ------------------------------------------------------- points left out of the plan
 
 
-@settings(max_examples=1, deadline=None, derandomize=True,
+@settings(max_examples=1, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(st.sampled_from(OPS + ("gated",)), min_size=2, max_size=4),
        tied=st.booleans(), statistic=st.sampled_from(["amax", "gaussian", "quantile"]),
@@ -416,19 +424,18 @@ def test_points_left_out_of_the_plan_change_nothing(ops, tied, statistic, simula
                           grad_dtype="float8_e4m3fn" if simulate else "float16")
     state = alj.adaptive_unscale(scaler).init(params)
     rng = np.random.default_rng(seed)
-    state = state._replace(log2_scales={g: jnp.float32(rng.integers(-4, 44))
-                                        for g in state.log2_scales})
+    state = state.with_log2_scales({g: int(rng.integers(-4, 44)) for g in state.log2_scales})
     analyse = _stream.analyse
 
     def every_point(jaxpr, sizes, owners, **kw):
         return analyse(jaxpr, sizes, owners, **{**kw, "keep": frozenset(range(len(sizes)))})
 
     def run(keep_all):
-        grad_fn = alj.adaptive_value_and_grad(_loss(model, others, 1.0), scaler)
+        loss_fn = _loss(model, others, 1.0)
         with mock.patch.object(_stream, "analyse", every_point if keep_all else analyse):
-            out = jax.jit(grad_fn)(state, params, tokens)
-        (plan,) = (an.plan for an in grad_fn.plans.values())
-        return out, sum(p.x is not None for p in plan.points)
+            out = jax.jit(alj.adaptive_value_and_grad(loss_fn))(state, params, tokens)
+            n = len(_applied_points(loss_fn, scaler, params, tokens))
+        return out, n
 
     (loss_a, grads_a, stats_a), n_all = run(keep_all=True)
     (loss_d, grads_d, stats_d), n_left = run(keep_all=False)
@@ -442,8 +449,9 @@ def test_points_left_out_of_the_plan_change_nothing(ops, tied, statistic, simula
     for g in stats_a.amax:
         assert np.array_equal(stats_a.amax[g], stats_d.amax[g]), (ops, g)
         assert bool(stats_a.bad[g]) == bool(stats_d.bad[g]), (ops, g)
-        assert float(stats_d.count[g]) <= float(stats_a.count[g])
-        assert not float(stats_d.sumsq[g]) > float(stats_a.sumsq[g]) * (1 + 1e-6), (ops, g)
+        if statistic == "gaussian":
+            assert float(stats_d.count[g]) <= float(stats_a.count[g])
+            assert not float(stats_d.sumsq[g]) > float(stats_a.sumsq[g]) * (1 + 1e-6), (ops, g)
         if statistic == "quantile":
             assert np.all(np.asarray(stats_d.hist[g]) <= np.asarray(stats_a.hist[g]))
 
@@ -451,7 +459,7 @@ def test_points_left_out_of_the_plan_change_nothing(ops, tied, statistic, simula
 # --------------------------------------------------------- groups cut at max_depth
 
 
-@settings(max_examples=1, deadline=None, derandomize=True,
+@settings(max_examples=1, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4), tied=st.booleans())
 @example(ops=["nest", "scan", "remat", "cross"], tied=True)
@@ -467,15 +475,11 @@ def test_groups_cut_at_max_depth_are_exact_stable_and_no_worse_than_global(ops, 
     for groups, scaler in (("module", alj.adaptive(groups="module", max_depth=1)),
                            ("global", alj.adaptive(groups="global"))):
         step, state, vg = conformance_step(scaler, loss16, params, tokens)
-        assert set(alj.adaptive_state(state).log2_scales) == (
+        assert set(alj.scale_state(state).log2_scales) == (
             {""} | top if groups == "module" else {""})
         assert_conformance(step, state, results, groups, ref, ops, reached)
-        (plan,) = (an.plan for an in vg.plans.values())
-        applied[groups] = sum(p.x is not None for p in plan.points)
+        applied[groups] = len(_applied_points(loss16, scaler, params, tokens))
     per_module = alj.adaptive(groups="module")
-    vg = alj.adaptive_value_and_grad(loss16, per_module)
-    jax.eval_shape(vg, alj.adaptive_unscale(per_module).init(params), params, tokens)
-    (plan,) = (an.plan for an in vg.plans.values())
     nested = set(ops) - {"dense", "bn"}  # every other op is a module with children
-    n_module = sum(p.x is not None for p in plan.points)
+    n_module = len(_applied_points(loss16, per_module, params, tokens))
     assert applied["module"] < n_module if nested else applied["module"] == n_module, ops

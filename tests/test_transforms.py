@@ -246,7 +246,7 @@ def test_scale_state_errors_on_none_or_two():
     two = optax.chain(alj.unscale(POLICY), alj.unscale(alj.static()), INNER)
     with pytest.raises(ValueError, match="found 2"):
         alj.scale_state(two.init(params))
-    with pytest.raises(ValueError, match="exactly one LossScaleState"):
+    with pytest.raises(ValueError, match="exactly one scaler state"):
         alj.value_and_grad(loss_fn)(optax.sgd(LR).init(params), params, *batches(1))
     st = POLICY.init()
     assert alj.scale_state(st) is st
@@ -314,7 +314,7 @@ def test_checkpoint_of_a_scale_state_keeps_every_field(tmp_path):
             "/1/inner_state/",
             "",
         ),
-        (lambda p: INNER.init(p), "at /2", "missing"),
+        (lambda p: INNER.init(p), "at /0/count", "missing"),
         (lambda p: TX.init({**p, "extra": jnp.zeros(2)}), "extra", "missing"),
     ],
     ids=["shape", "dtype", "inner-optimizer", "no-scale-state", "extra-param"],

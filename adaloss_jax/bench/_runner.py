@@ -27,7 +27,7 @@ from flax.linen import fp8_ops
 from flax.training.dynamic_scale import DynamicScale
 
 import adaloss_jax as alj
-from adaloss_jax import _adaptive
+from adaloss_jax import _tree
 from adaloss_jax.bench import _configs, _steps, _tasks
 from adaloss_jax.bench._configs import Config
 from adaloss_jax.bench._tasks import Task
@@ -197,7 +197,7 @@ class Runner:
         """Trains ``self.steps`` steps from ``seed``; returns the row (plain data)."""
         steps = self.steps
         carry = self.init(seed)
-        names = ["/".join(p) for p in _adaptive._leaf_paths(carry[0])]
+        names = [_tree.name(p) for p in _tree.leaf_paths(carry[0])]
         batch = self.task.batches(seed, steps)
         probes_at = set(probe_steps(steps, self.task.probes))
         probes, outs = [], []

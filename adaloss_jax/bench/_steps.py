@@ -21,8 +21,7 @@ def scaled_tx(inner: optax.GradientTransformation, scaling: Any,
     """``inner`` behind the unscale (and skip) of ``scaling``: a scaler or an
     :class:`~adaloss_jax.AdaptiveScale`."""
     if isinstance(scaling, alj.AdaptiveScale):
-        return optax.chain(alj.adaptive_unscale(scaling, axis_name=axis_name),
-                           alj.skip_nonfinite(inner))
+        return alj.adaptive_scaled(inner, scaling, axis_name=axis_name)
     return alj.loss_scaled(inner, scaling, axis_name=axis_name)
 
 
@@ -31,7 +30,7 @@ def scaled_value_and_grad(loss_fn: Callable[..., Any], scaling: Any,
     """``g(opt_state, params, *args) -> (value, scaled gradients, update keywords)``;
     pass the keywords (and ``loss=``) to ``tx.update``."""
     if isinstance(scaling, alj.AdaptiveScale):
-        vg = alj.adaptive_value_and_grad(loss_fn, scaling, has_aux=has_aux)
+        vg = alj.adaptive_value_and_grad(loss_fn, has_aux=has_aux)
 
         def adaptive(opt_state, params, *args):
             value, grads, stats = vg(opt_state, params, *args)

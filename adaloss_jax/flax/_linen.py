@@ -7,54 +7,53 @@ from typing import Any
 
 import jax.numpy as jnp
 import optax
-from flax import struct
 from flax.training import train_state
 
-from adaloss_jax import _adaptive, _policies, _transforms
+from adaloss_jax import _adaptive, _transforms
+from adaloss_jax._config import AdaptiveScale
+from adaloss_jax._state import AdaptiveScaleState
+
+
+def scaled_tx(tx: optax.GradientTransformation, scaler, axis_name) -> optax.GradientTransformation:
+    """``tx`` behind the unscale and exact skip of ``scaler`` (global or adaptive); ``tx``
+    itself when ``scaler`` is None (it must then hold an unscale)."""
+    if isinstance(scaler, AdaptiveScale):
+        return _adaptive.adaptive_scaled(tx, scaler, axis_name=axis_name)
+    if scaler is not None:
+        return _transforms.loss_scaled(tx, scaler, axis_name=axis_name)
+    if axis_name is not None:
+        raise ValueError(
+            "axis_name is only used together with scaler=...; when tx already contains "
+            "adaloss_jax.unscale (or adaptive_unscale), pass axis_name to it instead")
+    return tx
 
 
 class TrainState(train_state.TrainState):
     """``flax.training.train_state.TrainState`` whose optimizer does loss scaling.
 
     Build it with ``TrainState.create(apply_fn=..., params=..., tx=optax.adamw(1e-3),
-    scaler=adaloss_jax.dynamic())``: ``tx`` is wrapped as
-    ``loss_scaled(tx, scaler)``. With ``scaler=adaloss_jax.adaptive(...)`` it is wrapped
-    as ``chain(adaptive_unscale(scaler), skip_nonfinite(tx))`` and :func:`train_step`
-    inserts the per-module scale points. Pass ``scaler=None`` when ``tx`` already
-    contains :func:`adaloss_jax.unscale`.
+    scaler=...)``: ``tx`` is wrapped as ``loss_scaled(tx, scaler)`` for a global scaler
+    (``adaloss_jax.dynamic()``) and as ``adaptive_scaled(tx, scaler)`` for an adaptive one
+    (``adaloss_jax.adaptive(...)``). Pass ``scaler=None`` when ``tx`` already holds an
+    unscale. :func:`train_step` does the whole step.
 
     ``apply_gradients(grads=scaled_grads, loss=loss)`` unscales, checks finiteness,
     updates the scale and applies the update only when it is finite; ``step`` counts
     every call, ``loss_scale_state.total_applied`` the applied ones.
     """
 
-    adaptive: _adaptive.AdaptiveScale | None = struct.field(pytree_node=False, default=None)
-
     @classmethod
-    def create(cls, *, apply_fn, params, tx, scaler=None, axis_name=None, policy=None,
-               **kwargs):
-        scaler = _policies.renamed(scaler, policy, "TrainState.create")
-        if isinstance(scaler, _adaptive.AdaptiveScale):
-            tx = optax.chain(
-                _adaptive.adaptive_unscale(scaler, axis_name=axis_name),
-                _transforms.skip_nonfinite(tx),
-            )
-            return super().create(
-                apply_fn=apply_fn, params=params, tx=tx, adaptive=scaler, **kwargs
-            )
-        if scaler is not None:
-            tx = _transforms.loss_scaled(tx, scaler, axis_name=axis_name)
-        elif axis_name is not None:
-            raise ValueError(
-                "axis_name is only used together with scaler=...; when tx already contains "
-                "adaloss_jax.unscale, pass axis_name to unscale() instead"
-            )
-        state = super().create(apply_fn=apply_fn, params=params, tx=tx, **kwargs)
+    def create(cls, *, apply_fn, params, tx, scaler=None, axis_name=None, **kwargs):
+        """Args: as flax's ``TrainState.create``, plus ``scaler`` and ``axis_name`` (see
+        :func:`adaloss_jax.unscale`). Raises ``ValueError`` if no scaler state results."""
+        state = super().create(apply_fn=apply_fn, params=params,
+                               tx=scaled_tx(tx, scaler, axis_name), **kwargs)
         _transforms.scale_state(state.opt_state)  # fail now if tx has no unscale()
         return state
 
     @property
-    def loss_scale_state(self) -> _policies.LossScaleState:
+    def loss_scale_state(self):
+        """The scaler's state (:func:`adaloss_jax.scale_state`)."""
         return _transforms.scale_state(self.opt_state)
 
     def apply_gradients(self, *, grads, loss=None, scale_stats=None, **kwargs):
@@ -94,22 +93,17 @@ def train_step(
     scaling) and ``aux`` when ``has_aux``.
     """
     scale_used = state.loss_scale_state.loss_scale
-    if state.adaptive is not None:
-        value, grads, stats = _adaptive.adaptive_value_and_grad(
-            loss_fn, state.adaptive, has_aux=has_aux
-        )(state.opt_state, state.params, *args, **kwargs)
+    if isinstance(state.loss_scale_state, AdaptiveScaleState):
+        value, grads, stats = _adaptive.adaptive_value_and_grad(loss_fn, has_aux=has_aux)(
+            state.opt_state, state.params, *args, **kwargs)
     else:
         stats = None
         value, grads = _transforms.value_and_grad(loss_fn, has_aux=has_aux)(
-            state.opt_state, state.params, *args, **kwargs
-        )
+            state.opt_state, state.params, *args, **kwargs)
     loss, aux = value if has_aux else (value, None)
     state = state.apply_gradients(grads=grads, loss=jnp.asarray(loss), scale_stats=stats)
-    metrics = {
-        "loss": loss,
-        "applied": state.loss_scale_state.last_applied,
-        "loss_scale": scale_used,
-    }
+    metrics = {"loss": loss, "applied": state.loss_scale_state.last_applied,
+               "loss_scale": scale_used}
     if has_aux:
         metrics["aux"] = aux
     return state, metrics

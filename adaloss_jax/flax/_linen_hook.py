@@ -1,5 +1,5 @@
-"""The linen front end: module calls reported to the active receivers (scale points of
-an adaptive gradient, a numerics probe's taps)."""
+"""The linen front end: module calls reported to the active receivers (the recorder of
+an adaptive gradient, a numerics probe's taps). Registered with the core on import."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 from flax import linen as nn
 
-from adaloss_jax import _points
+from adaloss_jax import _record
 
 _LOCAL = threading.local()
 
@@ -22,25 +22,24 @@ def _interceptor(next_fun, args, kwargs, context):
     prefixes = _LOCAL.__dict__.setdefault("prefixes", [])
     if path:
         prefix = prefixes[-1] if prefixes else ()
-        return _points.report(prefix + path, module, next_fun, args, kwargs)
+        return _record.report(prefix + path, module, next_fun, args, kwargs)
     # The root of an apply: its module paths count from the parameters it was given,
     # which may be a sub-tree of the loss's (``model.apply({"params": p["student"]})``).
-    prefix = _points.subtree_prefix(module.scope.variables().get("params", {}))
+    prefix = _record.subtree_prefix(module.scope.variables().get("params", {}))
     prefixes.append(prefix if prefix is not None else (prefixes[-1] if prefixes else ()))
     try:
-        return _points.report(prefixes[-1], module, next_fun, args, kwargs)
+        return _record.report(prefixes[-1], module, next_fun, args, kwargs)
     finally:
         prefixes.pop()
 
 
 @contextlib.contextmanager
-def intercept(points=None) -> Iterator[None]:
+def intercept(receiver=None) -> Iterator[None]:
     """Within the context, every linen module method call (not ``setup``) is reported
-    with the module's scope path to :func:`adaloss_jax._points.report`, prefixed with
-    where the applied parameters sit in the loss's (:func:`_points.subtree_prefix`). Nested contexts
-    install the interceptor once, so each call is reported once. (``points`` is unused:
-    the signature of a front-end hook.)"""
-    del points
+    with the module's scope path to :func:`adaloss_jax._record.report`, prefixed with
+    where the applied parameters sit in the loss's. Nested contexts install the
+    interceptor once, so each call is reported once."""
+    del receiver
     if getattr(_LOCAL, "on", False):
         yield
         return
@@ -50,3 +49,6 @@ def intercept(points=None) -> Iterator[None]:
             yield
     finally:
         _LOCAL.on = False
+
+
+_record.register_hook(intercept)

@@ -2,11 +2,11 @@
 
 NNX has no method interceptor, so the scale points are put in by giving every submodule
 of a *copy* of the model (``nnx.merge`` of a split, made inside the traced function) a
-subclass whose public methods report their calls to the scale points. The user's model
-object is never modified. Submodules are keyed by their first path in the object graph,
-so a module shared between two places is one scale group, as its parameters are one set.
-The model is split into a pure function of its parameters, so the flax-free core does
-the rest.
+subclass whose public methods report their calls (:mod:`adaloss_jax._swap`). The user's
+model object is never modified. Submodules are keyed by their first path in the object
+graph, so a module shared between two places is one scale group, as its parameters are
+one set. The model is split into a pure function of its parameters, so the flax-free
+core does the rest.
 """
 
 from __future__ import annotations
@@ -16,12 +16,13 @@ from typing import Any
 
 from flax import nnx
 
-from adaloss_jax import _adaptive, _points, _swap
+from adaloss_jax import _adaptive, _record, _swap
 
 _BASE_NAMES = frozenset(dir(nnx.Module))
 
 
-def _modules(model: nnx.Module):
+def modules(model: nnx.Module):
+    """``(path, module)`` for every module in ``model``'s object graph, itself first."""
     for path, sub in nnx.iter_graph(model):
         if isinstance(sub, nnx.Module):
             yield tuple(str(k) for k in path), sub
@@ -29,25 +30,29 @@ def _modules(model: nnx.Module):
 
 def nnx_adaptive_value_and_grad(
     loss_fn: Callable[..., Any],
-    scaler: _adaptive.AdaptiveScale | None = None,
     *,
     wrt: Any = nnx.Param,
     has_aux: bool = False,
 ) -> Callable[..., tuple[Any, Any, Any]]:
     """NNX counterpart of :func:`adaloss_jax.adaptive_value_and_grad`.
 
-    Returns ``g(opt_state, model, *args, **kwargs) -> (value, grads, stats)`` with
-    ``loss_fn(model, *args, **kwargs)``; ``grads`` is an ``nnx.State`` of the ``wrt``
-    variables (scaled per group) for ``optimizer.update(model, grads, loss=loss,
-    scale_stats=stats)``. Non-parameter state the loss changes (batch statistics, RNG
-    counters) is written back to ``model``. Call it inside ``nnx.jit``.
+    Args:
+      loss_fn: ``loss_fn(model, *args, **kwargs) -> loss`` (or ``(loss, aux)``).
+      wrt: the variables to differentiate.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+    Returns:
+      ``g(opt_state, model, *args, **kwargs) -> (value, grads, stats)``; ``grads`` is an
+      ``nnx.State`` of the ``wrt`` variables (scaled per group) for
+      ``optimizer.update(model, grads, loss=loss, scale_stats=stats)``. Non-parameter
+      state the loss changes (batch statistics, RNG counters) is written back to
+      ``model``. Call it inside ``nnx.jit``.
     """
-    scaler = _adaptive.AdaptiveScale() if scaler is None else scaler
-    _adaptive._check_scaler(scaler)
 
     def pure(params, graphdef, rest, *args, **kwargs):
         copy = nnx.merge(graphdef, params, rest, copy=True)
-        swapped = _swap.install(_modules(copy), _BASE_NAMES) if _points.active() is not None else []
+        swapped = (_swap.install(modules(copy), _BASE_NAMES)
+                   if _record.active() is not None else [])
         try:
             out = loss_fn(copy, *args, **kwargs)
         finally:
@@ -55,9 +60,7 @@ def nnx_adaptive_value_and_grad(
         loss, aux = out if has_aux else (out, None)
         return loss, (aux, nnx.state(copy, nnx.Not(wrt)))
 
-    core = _adaptive.adaptive_value_and_grad(pure, scaler, has_aux=True,
-                                             hooks=_adaptive._front_end_hooks(),
-                                             cache_token=("nnx", loss_fn, str(wrt), has_aux))
+    core = _adaptive.adaptive_value_and_grad(pure, has_aux=True)
 
     def wrapped(opt_state, model, *args, **kwargs):
         graphdef, params, rest = nnx.split(model, wrt, ...)
@@ -66,5 +69,4 @@ def nnx_adaptive_value_and_grad(
         nnx.update(model, new_rest)
         return ((loss, aux) if has_aux else loss), grads, stats
 
-    wrapped.plans = core.plans
     return wrapped

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adaloss_jax import _formats, _transforms, _validation
+from adaloss_jax import _formats, _transforms, _tree, _validation
 from adaloss_jax.numerics import _taps
 from adaloss_jax.numerics._stats import tensor_stats
 from adaloss_jax.numerics._table import ProbeRow
@@ -96,12 +96,7 @@ def _scales_like(scales: Any, names: list[str], treedef, what: str) -> list[Any]
 
 def _named_leaves(tree: Any) -> tuple[list[str], list[jax.Array], Any]:
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree)
-    names = []
-    for kp, _ in flat:
-        name = _taps.keypath_name(kp)
-        if name.endswith("/value"):  # nnx.Param's field
-            name = name[: -len("/value")]
-        names.append(name)
+    names = [_tree.name(_tree.path_of(kp)) for kp, _ in flat]
     return names, [x for _, x in flat], treedef
 
 

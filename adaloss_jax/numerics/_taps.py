@@ -3,7 +3,7 @@
 A tap sees every floating-point output leaf of every selected module call and may
 replace it (add a zero perturbation, wrap it in a ``custom_vjp`` identity). Nothing in
 the user's model changes. Taps are a receiver of the calls the adaptive front ends
-report (:func:`adaloss_jax._points.report`): linen calls through the same method
+report (:func:`adaloss_jax._record.report`): linen calls through the same method
 interceptor, NNX submodules of a *merged copy* (made inside the traced function)
 through the same class swap, and pure-JAX functions marked with
 :func:`adaloss_jax.scale_group`.
@@ -21,11 +21,10 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 import jax
-import jax.numpy as jnp
 
-from adaloss_jax import _adaptive, _points, _stream, _swap
+from adaloss_jax import _record, _swap, _tree
 
-ROOT = _stream.ROOT
+ROOT = _tree.ROOT
 
 # A leaf tap: (key, output leaf) -> new leaf of the same shape and dtype.
 LeafTap = Callable[[str, jax.Array], jax.Array]
@@ -33,22 +32,7 @@ LeafTap = Callable[[str, jax.Array], jax.Array]
 ModuleFilter = Callable[[tuple, Any], bool]
 
 
-def path_name(path: tuple) -> str:
-    """``("block_0", "attn")`` -> ``"block_0/attn"``; the empty path (the root) is ``""``."""
-    return "/".join(str(p) for p in path)
-
-
-def keypath_name(keypath: tuple) -> str:
-    """A pytree key path as ``a/b/0`` (dict keys, attributes and indices joined by ``/``),
-    as scale groups name parameter paths."""
-    return "/".join(_adaptive._key_name(k) for k in keypath)
-
-
-def _is_float_array(x: Any) -> bool:
-    return isinstance(x, jax.Array) and jnp.issubdtype(x.dtype, jnp.floating)
-
-
-class Taps(_points.Receiver):
+class Taps(_record.Receiver):
     """Applies a leaf tap to the outputs of the selected calls and numbers repeats."""
 
     def __init__(self, leaf_tap: LeafTap, filter: ModuleFilter | None = None):
@@ -60,7 +44,7 @@ class Taps(_points.Receiver):
         out = next_fun(*args, **kwargs)
         if self.filter is not None and not self.filter(tuple(path), module):
             return out
-        base = path_name(path)
+        base = _tree.name(path)
         n = self.calls.get(base, 0)
         self.calls[base] = n + 1
         if n:
@@ -68,7 +52,7 @@ class Taps(_points.Receiver):
         leaves, treedef = jax.tree_util.tree_flatten_with_path(out)
         new = []
         for kp, leaf in leaves:
-            if _is_float_array(leaf):
+            if isinstance(leaf, jax.Array) and _tree.is_float(leaf):
                 leaf = self.leaf_tap(base + jax.tree_util.keystr(kp), leaf)
             new.append(leaf)
         return jax.tree_util.tree_unflatten(treedef, new)
@@ -84,7 +68,7 @@ def taps(leaf_tap: LeafTap, filter: ModuleFilter | None = None) -> Iterator[None
       filter: ``(module_path, module) -> bool`` (``module`` is None for a
         ``scale_group`` function); all calls when None.
     """
-    with Taps(leaf_tap, filter), _adaptive._Hooks(_adaptive._front_end_hooks(), None):
+    with Taps(leaf_tap, filter), _record.hooks():
         yield
 
 
@@ -103,7 +87,7 @@ def nnx_taps(
     """
     from adaloss_jax.flax import _nnx_adaptive
 
-    swapped = _swap.install(_nnx_adaptive._modules(model), _nnx_adaptive._BASE_NAMES)
+    swapped = _swap.install(_nnx_adaptive.modules(model), _nnx_adaptive._BASE_NAMES)
     try:
         with Taps(leaf_tap, filter):
             yield

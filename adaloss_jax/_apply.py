@@ -1,0 +1,288 @@
+"""Applying a plan: the recorded loss evaluated with its scale points made real.
+
+The jaxpr :func:`adaloss_jax._record.record` traced is evaluated equation by equation
+(:mod:`adaloss_jax._jaxpr` names the kinds). A recorded point becomes the
+``custom_vjp`` of :mod:`adaloss_jax._channel`, converting and measuring as the plan
+says; the parameter point converts the parameters read at a scale other than their
+owner's; equations without points are evaluated as they are. Higher-order equations with
+points inside are rebuilt with the public transformation that made them, around the
+evaluation of their body: ``jax.checkpoint`` with the same policy, ``lax.scan`` with the
+same length, direction and unrolling, ``lax.switch``, ``jax.shard_map`` with the same
+specs; ``jit`` is inlined.
+
+Each row of a point (:class:`Site`) has a dummy of its own. A point inside a scan gets a
+dummy stacked along the scan's length, passed in as a scanned input, so every iteration
+writes its own row and nothing sums them: the rows are reduced exactly afterwards
+(:func:`adaloss_jax._channel.reduce_rows`). :meth:`Program.sites` lists the rows in the
+order :meth:`Program.evaluate` consumes their dummies: both walk the program the same
+way.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.extend.core as jcore
+import jax.numpy as jnp
+
+from adaloss_jax import _channel, _formats, _jaxpr
+from adaloss_jax._stream import Plan
+from adaloss_jax._transforms import min_once
+
+
+class Site(NamedTuple):
+    """One row of one scale point, as the program holds it (static)."""
+
+    n: int  # the point
+    members: tuple[int, ...]  # its floating leaves in this row
+    pair: tuple  # (x anchors, y anchors): the ratio it converts by
+    cfg: _channel.PointConfig
+    row: _channel.Row
+    lead: tuple[int, ...] = ()  # stacked dimensions (the lengths of enclosing scans)
+
+
+class Program:
+    """A recorded loss with a plan: its rows, and its evaluation with points applied.
+
+    Args:
+      closed: the recorded ``ClosedJaxpr``.
+      plan: where the conversions go (:func:`adaloss_jax._stream.analyse`).
+      scaler: the :class:`~adaloss_jax.AdaptiveScale`.
+      rounding: the points on a group's outputs (rounded when simulating a format).
+      param_owners: the group of each floating parameter leaf.
+    """
+
+    def __init__(self, closed, plan: Plan, scaler, rounding: frozenset,
+                 param_owners: Sequence[str]):
+        self.closed = closed
+        self.plan = plan
+        self.scaler = scaler
+        self.rounding = rounding
+        self.param_owners = tuple(param_owners)
+        self.columns = _channel.Columns.of(scaler)
+        self.reader = _jaxpr.Reader()
+        self._memo: dict[int, tuple[list[Site], Any]] = {}
+
+    # ---------------------------------------------------------------- the rows
+
+    def _point_sites(self, eqn) -> list[Site]:
+        n = _jaxpr.point_number(eqn)
+        pp = self.plan.points[n] if n < len(self.plan.points) else None
+        if pp is None or pp.x is None:
+            return []
+        fmt = self.scaler.format
+        rounds = self.scaler.simulate and n in self.rounding
+        members: dict = {}
+        for i, pair in enumerate(zip(pp.x, pp.y)):
+            if pair[0] is not None:  # else computed from parameters alone: passes as is
+                members.setdefault(pair, []).append(i)
+        sites = []
+        for (xa, ya), idx in members.items():
+            y_max = fmt.max
+            if self.scaler.simulate:  # cotangents held in the compute dtype between groups
+                y_max = min(float(jnp.finfo(eqn.invars[i].aval.dtype).max) for i in idx)
+            x_max = fmt.max if rounds else y_max
+            cfg = _channel.PointConfig(self.columns, convert=xa != ya, measure=True,
+                                       y_max=y_max, x_max=x_max,
+                                       simulate=fmt.dtype if rounds else None)
+            sites.append(Site(n, tuple(idx), (xa, ya), cfg, _channel.Row(ya, xa, y_max, x_max)))
+        return sites
+
+    def _sites_of(self, jaxpr) -> list[Site]:
+        key = id(jaxpr)
+        if key not in self._memo:
+            out: list[Site] = []
+            for eqn in jaxpr.eqns:
+                kind = self.reader.kind(eqn)
+                if kind == _jaxpr.POINT:
+                    out += self._point_sites(eqn)
+                elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.SHARD_MAP, _jaxpr.COND):
+                    for sub in _jaxpr.subprograms(eqn):
+                        out += self._sites_of(sub.jaxpr)
+                elif kind == _jaxpr.SCAN:
+                    length = eqn.params["length"]
+                    out += [s._replace(lead=(length, *s.lead))
+                            for s in self._sites_of(_jaxpr.subprograms(eqn)[0].jaxpr)]
+            self._memo[key] = (out, jaxpr)
+        return self._memo[key][0]
+
+    def sites(self) -> list[Site]:
+        """Every row of the program, in the order :meth:`evaluate` takes their dummies."""
+        return self._sites_of(self.closed.jaxpr)
+
+    def pairs(self) -> list[tuple]:
+        """Every ``(x anchors, y anchors)`` pair a conversion or a row refers to, sorted
+        (every process of a multi-controller run must trace the same program)."""
+        pairs = {s.pair for s in self.sites()}
+        pairs |= {((o,), u) for o, u in zip(self.param_owners, self.plan.params)
+                  if u is not None}
+        return sorted(pairs)
+
+    # ---------------------------------------------------------------- evaluation
+
+    def evaluate(self, args: Sequence, dummies: Sequence, ratios: dict) -> list:
+        """The loss's flat outputs, with the points applied; ``dummies``: one per
+        :meth:`sites` row; ``ratios``: ``{(x anchors, y anchors): S_x / S_y}``."""
+        return self._eval(self.closed.jaxpr, self.closed.consts, args, list(dummies), ratios)
+
+    def _eval(self, jaxpr, consts, args, dummies: list, ratios) -> list:
+        env: dict = {}
+
+        def read(v):
+            return v.val if isinstance(v, jcore.Literal) else env[v]
+
+        for v, x in zip(jaxpr.constvars, consts):
+            env[v] = x
+        for v, x in zip(jaxpr.invars, args):
+            env[v] = x
+        taken = 0
+
+        def take(jaxpr_or_eqn_sites: list) -> list:
+            nonlocal taken
+            block = dummies[taken:taken + len(jaxpr_or_eqn_sites)]
+            taken += len(jaxpr_or_eqn_sites)
+            return block
+
+        run: list = []
+        for eqn in jaxpr.eqns:
+            kind = self.reader.kind(eqn)
+            if kind in (_jaxpr.PLAIN, _jaxpr.OPAQUE):
+                run.append(eqn)
+                continue
+            _eval_run(run, env, read)
+            run = []
+            ins = [read(v) for v in eqn.invars]
+            if kind == _jaxpr.POINT:
+                sites = self._point_sites(eqn)
+                outs = self._apply_point(ins, sites, take(sites), ratios)
+            elif kind == _jaxpr.PARAMS:
+                outs = self._convert_params(ins, ratios)
+            else:
+                subs = _jaxpr.subprograms(eqn)
+                blocks = [take(self._sites_of(s.jaxpr)) for s in subs]
+                outs = self._higher_order(kind, eqn, ins, subs, blocks, ratios)
+            for v, x in zip(eqn.outvars, outs):
+                if not isinstance(v, jcore.DropVar):
+                    env[v] = x
+        _eval_run(run, env, read)
+        return [read(v) for v in jaxpr.outvars]
+
+    def _apply_point(self, ins, sites, dummies, ratios) -> list:
+        outs = list(ins)
+        for site, dummy in zip(sites, dummies):
+            ratio = ratios[site.pair] if site.cfg.convert else jnp.float32(1.0)
+            ys = _channel.scale_point(site.cfg, tuple(ins[i] for i in site.members),
+                                      ratio, dummy)
+            for i, y in zip(site.members, ys):
+                outs[i] = y
+        return outs
+
+    def _convert_params(self, ins, ratios) -> list:
+        outs = list(ins)
+        for i, (owner, uses) in enumerate(zip(self.param_owners, self.plan.params)):
+            if uses is not None and uses != (owner,):
+                outs[i] = _channel.convert_param(ins[i], ratios[((owner,), uses)])
+        return outs
+
+    def _higher_order(self, kind, eqn, ins, subs, blocks, ratios) -> list:
+        p = eqn.params
+
+        def body(i):
+            sub = subs[i]
+            return lambda *a: self._eval(sub.jaxpr, sub.consts, list(a), blocks[i], ratios)
+
+        if kind == _jaxpr.INLINE:
+            return body(0)(*ins)
+        if kind == _jaxpr.REMAT:
+            return jax.checkpoint(body(0), prevent_cse=p["prevent_cse"],
+                                  policy=p["policy"])(*ins)
+        if kind == _jaxpr.COND:
+            return jax.lax.switch(ins[0], [body(i) for i in range(len(subs))], *ins[1:])
+        if kind == _jaxpr.SHARD_MAP:
+            axes = p.get("newly_manual_axes", p.get("manual_axes", frozenset()))
+            f = body(0)
+            return jax.shard_map(lambda *a: tuple(f(*a)), mesh=p["mesh"],
+                                 in_specs=p["in_specs"], out_specs=p["out_specs"],
+                                 check_vma=p["check_vma"], axis_names=set(axes))(*ins)
+        assert kind == _jaxpr.SCAN, kind
+        return self._scan(p, ins, subs[0], blocks[0], ratios)
+
+    def _scan(self, p, ins, sub, block, ratios) -> list:
+        nc, ncar = p["num_consts"], p["num_carry"]
+        consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+
+        def step(carry, x):
+            xs_i, rows_i = x
+            outs = self._eval(sub.jaxpr, sub.consts, [*consts, *carry, *xs_i], list(rows_i),
+                              ratios)
+            return outs[:ncar], outs[ncar:]
+
+        carry, ys = jax.lax.scan(step, list(init), (list(xs), list(block)),
+                                 length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        return [*carry, *ys]
+
+
+def _eval_run(run: list, env: dict, read) -> None:
+    """Evaluates consecutive equations without applied points, as ``jax.core.eval_jaxpr``
+    does (so each keeps its source information and context)."""
+    if not run:
+        return
+    defined, free = set(), {}
+    for eqn in run:
+        for v in eqn.invars:
+            if not isinstance(v, jcore.Literal) and v not in defined:
+                free.setdefault(v, None)
+        defined.update(v for v in eqn.outvars if not isinstance(v, jcore.DropVar))
+    outvars = [v for eqn in run for v in eqn.outvars if not isinstance(v, jcore.DropVar)]
+    effects = set().union(*(eqn.effects for eqn in run))
+    info = jcore.DebugInfo("adaloss_jax", "the recorded loss", tuple("" for _ in free),
+                           tuple("" for _ in outvars))
+    jaxpr = jcore.Jaxpr([], list(free), outvars, run, effects, info)
+    for v, x in zip(outvars, jax.core.eval_jaxpr(jaxpr, [], *(read(v) for v in free))):
+        env[v] = x
+
+
+def anchor_scales(log2: dict, pairs: Sequence[tuple]) -> tuple[dict, dict]:
+    """The log2 scale of every anchor set (the min over it) and the ratio ``S_x / S_y`` of
+    every converting ``(x, y)`` pair, built once per step outside the model.
+
+    A set's min is computed once (:func:`~adaloss_jax._transforms.min_once`) from the
+    largest smaller set already computed inside it and the groups it adds: along a
+    residual stream the anchor sets grow by a block's groups per layer, so each layer's
+    min has the same shape (compiled once) instead of a chain over every group below it.
+    """
+    sigma: dict = {}
+    for a in sorted({a for pair in pairs for a in pair}, key=len):
+        if len(a) == 1:
+            sigma[a] = log2[a[0]]
+            continue
+        inner = max((t for t in sigma if 1 < len(t) < len(a) and set(t) <= set(a)),
+                    key=len, default=())
+        sigma[a] = min_once(([sigma[inner]] if inner else [])
+                            + [log2[g] for g in a if g not in inner])
+    # S_x / S_y as a quotient of two powers of two: exact, and XLA computes a division
+    # once, as its own small kernel, where it would copy ``pow2(sx - sy)`` into every
+    # kernel that converts a cotangent; those kernels then differ only in the buffer they
+    # read the ratio from, and identical kernels (one per layer) are compiled once.
+    converted = dict.fromkeys(a for x, y in pairs if x != y for a in (x, y))
+    scale = {a: _formats.pow2(sigma[a]) for a in converted}
+    ratios = {(x, y): scale[x] / scale[y] for x, y in pairs if x != y}
+    return sigma, ratios
+
+
+def scalars(vector, names: Sequence[str]) -> dict:
+    """``{name: vector[name]}`` for a :class:`~adaloss_jax.GroupVector`, each a value of
+    its own in the compiled program.
+
+    The scales are held as one vector, but the backward pass reads them one by one: a
+    slice at a constant index fused into each reading kernel would make every kernel
+    different (one per layer, each compiled); behind an optimisation barrier the slices
+    are computed once and the kernels read them as separate buffers.
+    """
+    names = tuple(names)
+    if not names:
+        return {}
+    parts = jax.lax.optimization_barrier(tuple(vector[g] for g in names))
+    return dict(zip(names, parts))

@@ -1,0 +1,307 @@
+"""The statistics channel: how a scale point's measurements leave the backward pass, and
+what they say about each scale group.
+
+Every applied scale point holds one *row* per pair of anchor sets among its leaves
+(:mod:`adaloss_jax._stream`), measured where the cotangent arrives, at the scale of the
+region on its consumer side. A row leaves the backward pass as the cotangent of a zero
+"dummy" input of its own, so ``jax.grad`` hands it out with no side effect::
+
+    column   what                                                    reduced by
+    AMAX     largest |cotangent| (a NaN reads as inf)                max
+    BAD_Y    the cotangent exceeded the format it is stored in       max
+    BAD_X    its conversion exceeded the format where it goes        max
+    SUMSQ    sum of squares           (statistic="gaussian" only)    sum
+    COUNT    number of elements       (statistic="gaussian" only)    sum
+    HIST     counts of non-zero elements by binade (NBINS columns,
+             statistic="quantile" only)                              sum
+
+A point met several times gets a row per meeting, never a sum of rows: a point inside
+a scan gets a stacked dummy, one row per iteration (:mod:`adaloss_jax._apply`), a point
+inside a vmap measures the whole batched cotangent, and a point under ``shard_map``
+reduces its row over the devices as the table says. :func:`reduce_rows` is that one
+reduction, and :func:`decode` turns the rows into per-group :class:`ScaleStats`.
+Nothing else reads a row's columns.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from adaloss_jax import _formats
+from adaloss_jax._state import GroupVector, ScaleStats
+
+_AMAX, _BAD_Y, _BAD_X, _SUMSQ, _COUNT = range(5)
+_MAXED = 3  # the first three columns reduce by max, the rest by sum
+NBINS = 56  # histogram bins, from HIST_BELOW binades under the format's smallest subnormal
+HIST_BELOW = 16  # (the lowest bin also counts everything below it, the highest above)
+
+
+class Columns(NamedTuple):
+    """The layout of a statistics row for one scaler (static)."""
+
+    sumsq: bool  # SUMSQ and COUNT columns
+    hist_lo: int | None  # binade of the histogram's lowest bin; None: no histogram
+
+    @classmethod
+    def of(cls, scaler) -> Columns:
+        hist_lo = None
+        if scaler.statistic == "quantile":
+            hist_lo = scaler.format.min_exponent - HIST_BELOW
+        return cls(sumsq=scaler.statistic == "gaussian", hist_lo=hist_lo)
+
+    @property
+    def hist_start(self) -> int:
+        return _COUNT + 1 if self.sumsq else _BAD_X + 1
+
+    @property
+    def width(self) -> int:
+        return self.hist_start + (NBINS if self.hist_lo is not None else 0)
+
+
+def reduce_rows(rows: jax.Array, axes: Sequence[int]) -> jax.Array:
+    """Rows measured in several passes (stacked along ``axes``) as one row: the max of
+    the maxima and flags, the sum of the rest. Exact, whatever the passes' order."""
+    axes = tuple(axes)
+    if not axes:
+        return rows
+    return jnp.concatenate([jnp.max(rows[..., :_MAXED], axis=axes),
+                            jnp.sum(rows[..., _MAXED:], axis=axes)], axis=-1)
+
+
+class PointConfig(NamedTuple):
+    """Static configuration of one row's scale point (a custom_vjp nondiff argument)."""
+
+    columns: Columns
+    convert: bool  # False when both sides have the same scale by construction
+    measure: bool  # False for parameter conversions (the optimizer measures gradients)
+    y_max: float  # largest finite value where the cotangent arrives (its storage format)
+    x_max: float  # the same after the conversion (the simulated format where it rounds)
+    simulate: Any = None  # a dtype to round converted cotangents to (fp8 simulation)
+
+
+def _binade_hist(cts: tuple[jax.Array, ...], lo: int) -> jax.Array:
+    """Counts of the non-zero elements of ``cts`` by ``floor(log2|x|)``, in NBINS bins
+    from binade ``lo`` (clipped at both ends), as fp32.
+
+    The binade is read from the fp32 exponent bits (exact for every fp16/fp8 value,
+    subnormals included); a scatter-add into the bins is far cheaper than comparing every
+    element with every bin.
+    """
+    hist = jnp.zeros((NBINS,), jnp.int32)
+    for ct in cts:
+        bits = jax.lax.bitcast_convert_type(ct.astype(jnp.float32), jnp.int32)
+        binade = ((bits >> 23) & 0xFF) - 127
+        idx = jnp.clip(binade - lo, 0, NBINS - 1).reshape(-1)
+        hist = hist.at[idx].add((ct != 0).reshape(-1).astype(jnp.int32))
+    return hist.astype(jnp.float32)
+
+
+def measure(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig) -> jax.Array:
+    """The statistics row of the arriving cotangents ``cts``.
+
+    The magnitude maximum is ``max(max(ct), -min(ct))``: two reductions straight over
+    the cotangent (XLA's CPU backend does not fuse an elementwise producer into a
+    reduction, so ``max(|ct|)`` would materialise a temporary the size of the
+    cotangent). Infinities reach both reductions. A NaN may reach AMAX (:func:`decode`
+    reads it as inf) or be dropped by a CPU reduction: such a NaN came from an inf
+    upstream, which a point there saw, and reaches the parameter gradients, whose
+    finiteness the optimizer checks element by element. ``BAD_Y``/``BAD_X`` are negated
+    comparisons, so a NaN sets them too.
+
+    Nothing is computed that is the same for every point or known at trace time
+    (``BAD_X`` is ``BAD_Y`` where nothing converts or rounds): these ops are repeated at
+    every point of the program.
+    """
+    amax = None
+    sumsq = jnp.zeros((), jnp.float32)
+    for ct in cts:
+        if ct.size == 0:
+            continue
+        a = jnp.maximum(jnp.max(ct).astype(jnp.float32), -jnp.min(ct).astype(jnp.float32))
+        amax = a if amax is None else jnp.maximum(amax, a)
+        if cfg.columns.sumsq:
+            c = ct.astype(jnp.float32)
+            sumsq = sumsq + jnp.sum(c * c)
+    if amax is None:
+        amax = jnp.zeros((), jnp.float32)
+    bad_y = jnp.logical_not(amax <= cfg.y_max)
+    if cfg.convert or cfg.x_max != cfg.y_max:
+        bad_x = jnp.logical_not(amax * ratio <= cfg.x_max)
+    else:
+        bad_x = bad_y
+    cols = [amax, bad_y.astype(jnp.float32), bad_x.astype(jnp.float32)]
+    if cfg.columns.sumsq:
+        cols += [sumsq, jnp.float32(sum(ct.size for ct in cts))]
+    parts = [jnp.stack(cols)]
+    if cfg.columns.hist_lo is not None:
+        parts.append(_binade_hist(cts, cfg.columns.hist_lo))
+    return jnp.concatenate(parts)
+
+
+def _varying_axes(x) -> set:
+    aval = jax.typeof(x)
+    mat = getattr(aval, "manual_axis_type", None)  # jax >= 0.10
+    if mat is not None:
+        return set(mat.varying)
+    return set(getattr(aval, "vma", ()) or ())
+
+
+def _over_devices(row: jax.Array, cts: tuple) -> jax.Array:
+    """Under ``shard_map`` a cotangent may vary over mapped axes while its dummy does
+    not; the row is reduced over those axes here (the row's own reduction, by
+    collectives), so it is global, as under SPMD ``jit``."""
+    axes = set()
+    for c in cts:
+        axes |= _varying_axes(c)
+    if not axes:
+        return row
+    axes = tuple(sorted(axes))
+    return jnp.concatenate([jax.lax.pmax(row[:_MAXED], axes),
+                            jax.lax.psum(row[_MAXED:], axes)])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def scale_point(cfg: PointConfig, xs: tuple, ratio: jax.Array, dummy: jax.Array):
+    """Identity on ``xs``; the backward pass multiplies the cotangents by ``ratio``
+    (exact: a power of two, in fp32) and returns their row as ``dummy``'s cotangent."""
+    del ratio, dummy
+    return xs
+
+
+def _scale_point_fwd(cfg, xs, ratio, dummy):
+    del dummy
+    return xs, ratio
+
+
+def _scale_point_bwd(cfg, ratio, cts):
+    if cfg.convert:
+        out = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
+    else:
+        out = cts
+    if cfg.simulate is not None:
+        out = tuple(_formats.round_to(c, cfg.simulate) for c in out)
+    if not cfg.measure:
+        return out, jnp.zeros_like(ratio), None
+    return out, jnp.zeros_like(ratio), _over_devices(measure(cts, ratio, cfg), cts)
+
+
+scale_point.defvjp(_scale_point_fwd, _scale_point_bwd)
+
+
+def convert_param(x: jax.Array, ratio: jax.Array) -> jax.Array:
+    """A parameter read at a scale other than its owner's: identity whose backward pass
+    multiplies the gradient by ``ratio`` (so it arrives at the owner's scale)."""
+    inf = float("inf")
+    cfg = PointConfig(Columns(False, None), convert=True, measure=False, y_max=inf, x_max=inf)
+    (y,) = scale_point(cfg, (x,), ratio, jnp.zeros((), jnp.float32))
+    return y
+
+
+class Row(NamedTuple):
+    """What decoding needs to know of one row (static): the anchor sets of its two sides
+    and the largest finite values there (:class:`PointConfig`)."""
+
+    y: tuple[str, ...]  # anchors where the cotangent arrived (it was measured there)
+    x: tuple[str, ...]  # anchors where it goes
+    y_max: float
+    x_max: float
+
+
+def _shift_hist(hist: jax.Array, k) -> jax.Array:
+    """A binade histogram seen at a scale ``2**k`` times larger (end bins keep
+    everything beyond them)."""
+    nb = hist.shape[-1]
+    c = jnp.concatenate([jnp.zeros((1,), hist.dtype), jnp.cumsum(hist)])
+    j = jnp.arange(1, nb)
+    inner = c[jnp.clip(j - k.astype(jnp.int32), 0, nb)]
+    c2 = jnp.concatenate([jnp.zeros((1,), hist.dtype), inner, c[-1:]])
+    return jnp.diff(c2)
+
+
+def decode(rows: Sequence[Row], values: Sequence[jax.Array], groups: Sequence[str],
+           log2: jax.Array, sigma: dict, columns: Columns, fmt_max: float) -> ScaleStats:
+    """Rows -> per-group statistics, each at its group's scale.
+
+    A row counts for every group anchoring either of its sides, shifted to that group's
+    scale (it was measured at the scale of its ``y`` side, ``sigma[row.y]``); its AMAX
+    is taken relative to the largest value of the format that held it. An overflow is
+    blamed on the groups whose scales it started at: a conversion into a region that
+    overflowed, a value too large where it arrived, or non-finite values leaving a
+    region while all that entered it was finite.
+
+    Args:
+      rows: the static description of each row, in the order of ``values``.
+      values: each row's array (stacked rows already reduced: :func:`reduce_rows`).
+      groups: the groups in use, in the order of ``log2``.
+      log2: their log2 scales (a vector).
+      sigma: ``{anchor set: log2 scale}`` of every anchor set of ``rows``.
+      columns: the row layout.
+      fmt_max: the largest finite value of the scaler's format.
+
+    Vectorised over rows with static index arrays: a handful of ops whatever the
+    model's size.
+    """
+    groups = tuple(groups)
+    gi = {g: i for i, g in enumerate(groups)}
+    ng = len(groups)
+    z = jnp.zeros((ng,), jnp.float32)
+    vec = lambda v: GroupVector(groups, v)
+    gaussian, quantile = columns.sumsq, columns.hist_lo is not None
+    if not rows:
+        return ScaleStats(vec(log2), vec(z), vec(z > 0), jnp.asarray(False),
+                          sumsq=vec(z) if gaussian else None, count=vec(z) if gaussian else None,
+                          hist=vec(jnp.zeros((NBINS, ng), jnp.float32)) if quantile else None)
+    sets = sorted({r.y for r in rows} | {r.x for r in rows})
+    si = {a: i for i, a in enumerate(sets)}
+    ns = len(sets)
+    m = jnp.stack(list(values))
+    amax_r = m[:, _AMAX]
+    m = m.at[:, _AMAX].set(jnp.where(jnp.isnan(amax_r), jnp.inf, amax_r))
+    # Attributions: each row counts for every group anchoring either of its sides.
+    e_row, e_grp, e_set, e_lim = [], [], [], []
+    for r, row in enumerate(rows):
+        for g in dict.fromkeys(row.y + row.x):
+            lim = min(row.y_max if g in row.y else math.inf, row.x_max if g in row.x else math.inf)
+            e_row.append(r)
+            e_grp.append(gi[g])
+            e_set.append(si[row.y])
+            e_lim.append(fmt_max / lim)
+    e_row, e_grp, e_set = (jnp.asarray(v, jnp.int32) for v in (e_row, e_grp, e_set))
+    sigma_vec = jnp.stack([jnp.asarray(sigma[a], jnp.float32) for a in sets])
+    k = log2[e_grp] - sigma_vec[e_set]
+    f = _formats.pow2(k)
+    a = m[e_row, _AMAX] * jnp.asarray(e_lim, jnp.float32) * f
+    amax_v = jnp.maximum(jax.ops.segment_max(a, e_grp, ng), 0.0)
+    sumsq = count = hist = None
+    if gaussian:
+        sumsq = vec(jax.ops.segment_sum(m[e_row, _SUMSQ] * f * f, e_grp, ng))
+        count = vec(jax.ops.segment_sum(m[e_row, _COUNT], e_grp, ng))
+    if quantile:
+        h = jax.vmap(_shift_hist)(m[e_row, columns.hist_start:], k)
+        hist = vec(jax.ops.segment_sum(h, e_grp, ng).T)
+
+    # Overflow blame per anchor set (rows by their sides' sets).
+    amax_r = m[:, _AMAX]
+    bad_y = m[:, _BAD_Y] > 0
+    bad_x = m[:, _BAD_X] > 0
+    inf_y = ~(amax_r < jnp.inf)
+    y_set = jnp.asarray([si[r.y] for r in rows], jnp.int32)
+    x_set = jnp.asarray([si[r.x] for r in rows], jnp.int32)
+    conv = jnp.asarray([r.y != r.x for r in rows])
+    any_of = lambda v, idx: jax.ops.segment_max(v.astype(jnp.int32), idx, ns) > 0
+    blame = any_of(bad_y & ~inf_y, y_set) | any_of(conv & bad_x & ~bad_y, x_set)
+    left_inf = any_of(inf_y, y_set)
+    arrived_bad = any_of(conv & (bad_x | bad_y), x_set)
+    started = blame | (left_inf & ~arrived_bad)
+    p_set = [si[s] for s in sets for _ in s]
+    p_grp = [gi[g] for s in sets for g in s]
+    bad_v = jax.ops.segment_max(started[jnp.asarray(p_set)].astype(jnp.int32),
+                                jnp.asarray(p_grp), ng) > 0
+    return ScaleStats(vec(log2), vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
+                      sumsq=sumsq, count=count, hist=hist)

@@ -1,0 +1,179 @@
+"""The configuration of adaptive per-layer loss scaling: one frozen dataclass.
+
+A scaler is given once, to the optimizer (:func:`adaloss_jax.adaptive_unscale` or
+:func:`adaloss_jax.adaptive_scaled`); the optimizer state carries it, and the gradient
+functions read it from there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Callable
+from typing import Any
+
+from adaloss_jax import _formats, _tree, _validation
+
+STATISTICS = ("amax", "gaussian", "quantile")
+GROUPINGS = ("global", "module")
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class AdaptiveScale:
+    """Adaptive per-layer loss scaling (Zhao et al., arXiv 1910.12385): its options.
+
+    Build it with ``adaloss_jax.adaptive(...)`` (this class) and give it to the optimizer;
+    every option is keyword-only and checked here, so a bad value fails before any trace.
+
+    ======================= ================= ==============================================
+    option                  default           when to change it
+    ======================= ================= ==============================================
+    ``groups``              ``"global"``      ``"module"``: one scale per module that owns
+                                              parameters (fp8, deep stacks); ``"global"``:
+                                              one statistics-driven scale
+    ``grad_dtype``          ``"float16"``     the format cotangents are stored in (or
+                                              simulated in): ``"float8_e4m3fn"``, ...
+    ``simulate``            ``False``         round cotangents to ``grad_dtype`` where they
+                                              enter a module (fp8 simulation on fp16/fp32)
+    ``statistic``           ``"amax"``        ``"gaussian"`` (the reference's rule) or
+                                              ``"quantile"`` (exact underflow share)
+    ``threshold``           ``1e-3``          tolerated underflow share (gaussian, quantile)
+    ``margin``              4 (2 for fp8)     binades kept free below the format's max
+    ``decay``               1/16 (module)     binades a step the held amax peak sinks by;
+                            inf (global)      ``math.inf``: this step's amax alone
+    ``period``              ``1``             recompute scales every ``period`` applied steps
+    ``initial_scale``       ``1.0``           scale of every group before any statistics
+    ``min_loss_scale``      ``2**-24``        lower bound of every scale (a power of two)
+    ``max_loss_scale``      ``2**64``         upper bound of every scale (a power of two)
+    ``factor``              ``16.0``          back-off factor of a group that overflowed
+    ``max_rise``            ``8``             binades: a step whose statistics call for a
+                                              scale this much higher is not applied
+    ``max_consecutive_skips`` ``16``          skipped steps in a row before ``health`` flags
+    ``max_depth``           ``None``          scale points only around modules this deep
+                                              (``1``: one scale per transformer block)
+    ``filter``              ``None``          ``(path, module) -> bool``: modules to scale
+    ======================= ================= ==============================================
+
+    The rule each option enters is written out on :func:`adaloss_jax.adaptive_unscale`.
+
+    Attributes:
+      groups: ``"global"`` (one statistics-driven scale for everything, measured at
+        every module boundary) or ``"module"`` (one scale per module that owns parameters
+        directly, persisting along the backward stream until a fan-in).
+      grad_dtype: the format cotangents are stored in; ``u_min``/``u_max`` come from it.
+      simulate: round every cotangent to ``grad_dtype`` where it enters a module that owns
+        parameters, after its conversion (fp8 gradients simulated in an fp16/fp32 model).
+      statistic: ``"amax"`` (largest scale that keeps each group ``margin`` binades below
+        overflow), ``"gaussian"`` (the reference's rule: the smallest scale, at least 1,
+        keeping a zero-mean normal model's underflow share under ``threshold``, capped by
+        the amax rule) or ``"quantile"`` (the smallest scale that keeps at most
+        ``threshold`` of the measured non-zero cotangents below ``2 u_min``, counted from
+        a per-binade histogram, capped by the amax rule).
+      threshold: ``T``, the tolerated underflow share of ``"gaussian"`` and ``"quantile"``.
+      margin: binades kept free below the format's max (headroom for a scale one step
+        old). ``None``: 4, or 2 for a format spanning fewer than 30 binades (e4m3's 18).
+      decay: the amax rule uses a held peak that sinks by ``decay`` binades a step, so a
+        scale rises slowly after a spike and falls at once. ``math.inf``: this step's amax
+        alone. ``None``: 1/16 with ``groups="module"``, else ``math.inf``.
+      period: recompute the scales from statistics only on steps where the applied steps
+        so far are a multiple of ``period`` (the reference's every-``F``-iterations);
+        backoffs and blind jumps happen on any step.
+      initial_scale: every group's scale before the first statistics (a power of two).
+      min_loss_scale / max_loss_scale: bounds of every scale (powers of two).
+      factor: a group that overflowed backs off by ``factor`` (a power of two > 1), and by
+        ``factor ** (2 ** n)`` after ``n`` consecutive overflows (``n`` capped at 4).
+      max_rise: a step whose own statistics call for a scale more than ``max_rise``
+        binades above the one a group's gradients were computed at (the first step at
+        ``initial_scale``, a step after a large backoff) is skipped: the scales move, and
+        the next step is computed at them.
+      max_consecutive_skips: ``K``: after ``K`` skipped steps in a row ``health`` says so.
+      max_depth: scale points go only around calls of modules nested at most this deep
+        (``"Block_0"`` is at depth 1, ``"Block_0/attn"`` at 2); a deeper module's
+        parameters join its enclosing module's group. ``None``: every module.
+      filter: ``(module_path, module) -> bool``; modules it rejects get no scale point and
+        their parameters join the nearest selected enclosing group. ``None``: all.
+
+    Raises:
+      ValueError / TypeError: naming the option, the value and the fix.
+
+    >>> AdaptiveScale(groups="module", grad_dtype="float8_e4m3fn").margin
+    2
+    """
+
+    groups: str = "global"
+    grad_dtype: Any = "float16"
+    simulate: bool = False
+    statistic: str = "amax"
+    threshold: float = 1e-3
+    margin: int | None = None
+    decay: float | None = None
+    period: int = 1
+    initial_scale: float = 1.0
+    min_loss_scale: float = 2.0**-24
+    max_loss_scale: float = 2.0**64
+    factor: float = 16.0
+    max_rise: int = 8
+    max_consecutive_skips: int = 16
+    max_depth: int | None = None
+    filter: Callable[[tuple[str, ...], Any], bool] | None = None
+
+    def __post_init__(self):
+        if self.statistic not in STATISTICS:
+            raise ValueError(f"statistic={self.statistic!r} is not known; pass one of "
+                             f"{', '.join(map(repr, STATISTICS))}")
+        if self.groups not in GROUPINGS:
+            raise ValueError(f"groups={self.groups!r} is not known; pass 'module' or 'global'")
+        fmt = _formats.float_format(self.grad_dtype, argname="grad_dtype")
+        if not fmt.needs_scaling:
+            raise ValueError(
+                f"grad_dtype={fmt.name} has fp32's exponent range and needs no loss scaling; "
+                f"use adaloss_jax.no_scaling() (or bf16 without a scaler)")
+        t = _validation.check_positive_finite("threshold", self.threshold)
+        if t >= 1:
+            raise ValueError(f"threshold must be in (0, 1), got {self.threshold!r}; pass 1e-3")
+        if self.margin is None:  # frozen: the resolved default is set once
+            wide = math.log2(fmt.max / fmt.min_subnormal) >= 30
+            object.__setattr__(self, "margin", 4 if wide else 2)
+        _validation.check_int("margin", self.margin, minimum=0)
+        if self.decay is None:
+            object.__setattr__(self, "decay", 0.0625 if self.groups == "module" else math.inf)
+        if (isinstance(self.decay, bool) or not isinstance(self.decay, int | float)
+                or not self.decay > 0):
+            raise ValueError(f"decay must be a positive number of binades (or math.inf), "
+                             f"got {self.decay!r}")
+        _validation.check_int("period", self.period, minimum=1)
+        for option in ("initial_scale", "min_loss_scale", "max_loss_scale"):
+            _validation.check_power_of_two(option, getattr(self, option))
+        if not self.min_loss_scale <= self.initial_scale <= self.max_loss_scale:
+            raise ValueError(
+                f"initial_scale={self.initial_scale!r} must lie in [min_loss_scale, "
+                f"max_loss_scale] = [{self.min_loss_scale!r}, {self.max_loss_scale!r}]; pass "
+                f"an initial_scale inside the bounds")
+        _validation.check_growth_factor("factor", self.factor)
+        _validation.check_int("max_rise", self.max_rise, minimum=1)
+        _validation.check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
+        _validation.check_bool("simulate", self.simulate)
+        if self.max_depth is not None:
+            _validation.check_int("max_depth", self.max_depth, minimum=1)
+        if self.filter is not None and not callable(self.filter):
+            raise TypeError(
+                f"filter must be a callable (module_path, module) -> bool, got {self.filter!r}")
+
+    @property
+    def format(self) -> _formats.FloatFormat:
+        """The :class:`~adaloss_jax.FloatFormat` of ``grad_dtype``."""
+        return _formats.float_format(self.grad_dtype)
+
+    @property
+    def backoff(self) -> int:
+        """``log2(factor)``: binades a group backs off by at its first overflow."""
+        return round(math.log2(self.factor))
+
+    def group_of(self, module_path: tuple[str, ...]) -> str:
+        """The scale group a module at ``module_path`` belongs to (cut at ``max_depth``)."""
+        if self.groups == "global":
+            return _tree.ROOT
+        return _tree.name(module_path[:self.max_depth])
+
+
+adaptive = AdaptiveScale

@@ -1,0 +1,133 @@
+"""Reading a scaler's state outside ``jit``: a table, a summary for logs, and what its
+health bits mean. Every function takes whatever holds the state (an optimizer state, a
+flax ``TrainState``, an ``nnx.Optimizer``) and works for global and adaptive scalers."""
+
+from __future__ import annotations
+
+import math
+import warnings
+from typing import Any
+
+import jax
+
+from adaloss_jax import _transforms, _tree
+from adaloss_jax._state import (
+    HEALTH_NOTHING_MEASURED,
+    HEALTH_PINNED_LOW,
+    HEALTH_SKIPPING,
+    AdaptiveScaleState,
+)
+
+
+def _groups(tree: Any) -> tuple[Any, list[tuple[str, float, float, bool]]]:
+    """The scaler state and ``(group, log2 scale, log2 unit amax, overflowed)`` rows; a
+    global scaler is one group, the root, with nothing measured."""
+    st = jax.device_get(_transforms.scale_state(tree))
+    if not isinstance(st, AdaptiveScaleState):
+        overflowed = not bool(st.last_applied) and int(st.total_skipped) > 0
+        return st, [(_tree.ROOT, math.log2(float(st.loss_scale)), -math.inf, overflowed)]
+    return st, [(g, float(st.log2_scales[g]), float(st.log2_amax[g]), bool(st.overflowed[g]))
+                for g in st.groups]
+
+
+def scale_summary(tree: Any) -> dict:
+    """The scales as plain Python data for logs.
+
+    Args:
+      tree: anything holding a scaler state (see :func:`adaloss_jax.scale_state`).
+
+    Returns:
+      ``log2_group_scales``, ``log2_unit_amax`` and ``overflowed`` (``{group: value}``,
+      in model order, the root ``""`` first), and ``group_log2_min_med_max`` over the
+      non-root groups (the root if it is alone).
+
+    >>> import adaloss_jax as alj
+    >>> alj.scale_summary(alj.dynamic(initial_scale=2.0**10).init())["log2_group_scales"]
+    {'': 10.0}
+    """
+    _, rows = _groups(tree)
+    scales = {g: s for g, s, _, _ in rows}
+    vals = sorted(v for g, v in scales.items() if g) or [scales[_tree.ROOT]]
+    mid = len(vals) // 2
+    median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
+    return {
+        "log2_group_scales": scales,
+        "log2_unit_amax": {g: a for g, _, a, _ in rows},
+        "overflowed": {g: o for g, _, _, o in rows},
+        "group_log2_min_med_max": [vals[0], median, vals[-1]],
+    }
+
+
+def scale_table(tree: Any) -> str:
+    """The scales and last statistics as a text table, one row per group.
+
+    Args:
+      tree: anything holding a scaler state (see :func:`adaloss_jax.scale_state`).
+
+    Returns:
+      The table, a string.
+
+    >>> import adaloss_jax as alj
+    >>> print(alj.scale_table(alj.static(2.0**12).init()))
+    group                                    log2 scale  log2 unit amax overflowed
+    (root)                                           12            -inf      False
+    """
+    _, rows = _groups(tree)
+    lines = [f"{'group':<40} {'log2 scale':>10} {'log2 unit amax':>15} {'overflowed':>10}"]
+    for g, s, a, o in rows:
+        lines.append(f"{(g or '(root)'):<40} {s:>10.0f} {a:>15.1f} {o!s:>10}")
+    return "\n".join(lines)
+
+
+_HEALTH_TEXT = {
+    HEALTH_SKIPPING: (
+        "{k}+ steps in a row were skipped. If the loss is finite, something non-finite "
+        "appears in the backward pass at any scale (log or sqrt of 0, inf * 0, a division "
+        "by 0): find it with adaloss_jax.check_gradients or jax.debug_nans; scaling cannot "
+        "fix it."
+    ),
+    HEALTH_PINNED_LOW: (
+        "a group overflowed at min_loss_scale, so backing it off cannot help: its backward "
+        "pass makes non-finite values at any scale, or min_loss_scale is too high for this "
+        "model; lower min_loss_scale or fix the non-finite operation."
+    ),
+    HEALTH_NOTHING_MEASURED: (
+        "nothing was measured at max_loss_scale: the gradients are exactly zero (the loss "
+        "does not depend on the parameters, or everything is frozen); check that the loss "
+        "function returns a loss computed from params."
+    ),
+}
+_SKIPPING_LIMIT = 16  # a global scaler's state has no limit of its own: the adaptive default
+_WARNED: set = set()
+
+
+def check_health(tree: Any, *, warn: bool = True) -> list[str]:
+    """What the scaler state says is wrong, with the fix.
+
+    An adaptive state's ``health`` bits are explained; a global scaler's state is judged
+    by its run of skipped steps (16 in a row, the adaptive default).
+
+    Args:
+      tree: anything holding a scaler state (see :func:`adaloss_jax.scale_state`).
+      warn: also issue each message as a ``RuntimeWarning``, once per process.
+
+    Returns:
+      One message per problem; empty when all is well.
+
+    >>> import adaloss_jax as alj
+    >>> alj.check_health(alj.dynamic().init())
+    []
+    """
+    st, _ = _groups(tree)
+    k = int(st.notfinite_count)
+    if isinstance(st, AdaptiveScaleState):
+        bits = int(st.health)
+    else:
+        bits = HEALTH_SKIPPING if k >= _SKIPPING_LIMIT else 0
+    msgs = [t.format(k=k) for b, t in _HEALTH_TEXT.items() if bits & b]
+    if warn:
+        for m in msgs:
+            if m not in _WARNED:
+                _WARNED.add(m)
+                warnings.warn(f"adaloss_jax: {m}", RuntimeWarning, stacklevel=2)
+    return msgs

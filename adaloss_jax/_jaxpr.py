@@ -1,0 +1,122 @@
+"""How the library reads a traced loss: scale points and the higher-order equations around
+them, as both the stream analysis (:mod:`adaloss_jax._stream`) and the evaluation that
+applies the points (:mod:`adaloss_jax._apply`) see them.
+
+A recording trace marks every scale point as a jitted identity named
+``POINT_PREFIX + n`` (``n``: the point's number in trace order) and the parameter leaves
+as one jitted identity named ``PARAM_POINT``. Every equation falls in one of these kinds:
+
+=========== ==================================================== =======================
+kind        equations                                            what happens to points
+=========== ==================================================== =======================
+POINT       a recorded scale point                               applied
+PARAMS      the parameter point                                  conversions of params
+PLAIN       anything without a point inside                      nothing to do
+INLINE      ``jit``/``pjit``, ``closed_call``, ``core_call``     applied (inlined)
+REMAT       ``checkpoint`` (``jax.checkpoint``, ``nn.remat``)    applied, rematerialised
+SCAN        ``scan`` (``lax.scan``, ``fori_loop``, ``nn.scan``) applied per iteration
+COND        ``cond`` (``lax.cond``, ``lax.switch``)              applied in each branch
+SHARD_MAP   ``shard_map``                                        applied per device
+OPAQUE      any other equation with a point inside: a user's     not applied: the points
+            ``custom_jvp``/``custom_vjp`` (its own derivative     inside are identities
+            rule replaces autodiff's), ``while`` (not reverse-   and the equation joins
+            differentiable), unknown primitives                  one region
+=========== ==================================================== =======================
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+import jax.extend.core as jcore
+
+POINT_PREFIX = "_adaloss_point_"
+PARAM_POINT = "_adaloss_params"
+
+POINT, PARAMS, PLAIN, INLINE, REMAT, SCAN, COND, SHARD_MAP, OPAQUE = (
+    "point", "params", "plain", "inline", "remat", "scan", "cond", "shard_map", "opaque")
+
+_INLINE = {"jit", "pjit", "closed_call", "core_call"}
+_REMAT = {"checkpoint", "remat", "remat2"}
+
+
+def _label(eqn) -> str:
+    if eqn.primitive.name not in ("jit", "pjit"):
+        return ""
+    label = eqn.params.get("name", "")
+    return label if isinstance(label, str) else ""
+
+
+def point_number(eqn) -> int | None:
+    """``n`` for a recorded scale point, else None."""
+    label = _label(eqn)
+    return int(label[len(POINT_PREFIX):]) if label.startswith(POINT_PREFIX) else None
+
+
+class Sub(NamedTuple):
+    """A sub-program of an equation: its open jaxpr and the constants it closes over."""
+
+    jaxpr: Any
+    consts: list
+
+
+def _sub(value) -> Sub | None:
+    if isinstance(value, jcore.ClosedJaxpr):
+        return Sub(value.jaxpr, list(value.consts))
+    if isinstance(value, jcore.Jaxpr) and not value.constvars:
+        return Sub(value, [])
+    return None
+
+
+def subprograms(eqn) -> list[Sub]:
+    """The sub-programs of a higher-order equation, in the order of its parameters."""
+    out = []
+    for value in eqn.params.values():
+        for v in value if isinstance(value, tuple | list) else (value,):
+            if isinstance(v, jcore.ClosedJaxpr | jcore.Jaxpr):
+                out.append(_sub(v) or Sub(v, None))
+    return out
+
+
+class Reader:
+    """Classifies equations (:func:`kind`), remembering which sub-jaxprs hold points."""
+
+    def __init__(self):
+        self._memo: dict[int, tuple[bool, Any]] = {}
+
+    def has_points(self, jaxpr) -> bool:
+        key = id(jaxpr)
+        if key not in self._memo:
+            found = any(point_number(e) is not None
+                        or any(self.has_points(s.jaxpr) for s in subprograms(e))
+                        for e in jaxpr.eqns)
+            self._memo[key] = (found, jaxpr)  # keeps jaxpr alive: ids stay unique
+        return self._memo[key][0]
+
+    def kind(self, eqn) -> str:
+        if point_number(eqn) is not None:
+            return POINT
+        if _label(eqn) == PARAM_POINT:
+            return PARAMS
+        subs = subprograms(eqn)
+        if not any(self.has_points(s.jaxpr) for s in subs):
+            return PLAIN
+        name = eqn.primitive.name
+        if any(s.consts is None for s in subs):  # an open jaxpr with constants
+            return OPAQUE
+        n_in, n_out = len(eqn.invars), len(eqn.outvars)
+        if len(subs) == 1:
+            sub = subs[0].jaxpr
+            same = len(sub.invars) == n_in and len(sub.outvars) == n_out
+            if name in _INLINE and same:
+                return INLINE
+            if name in _REMAT and same:
+                return REMAT
+            if name == "scan" and same:
+                return SCAN
+            if name == "shard_map" and same:
+                return SHARD_MAP
+        if name == "cond" and all(len(s.jaxpr.invars) == n_in - 1
+                                  and len(s.jaxpr.outvars) == n_out for s in subs):
+            return COND
+        return OPAQUE

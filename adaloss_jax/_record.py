@@ -1,0 +1,291 @@
+"""Module calls and where they happen: the receivers front ends report to, and the one
+trace of a loss that records them.
+
+A front end (linen's method interceptor, the class swap of NNX and Equinox modules,
+:func:`scale_group` for pure JAX) only reports each module call through :func:`report`;
+every active :class:`Receiver` sees it. Two receivers exist: the recorder of an adaptive
+gradient (:func:`record`), which marks the floating inputs and outputs of each call as
+a *scale point* in the traced program, and a numerics probe's taps.
+
+:func:`record` traces the loss once, to a jaxpr in which each point is a jitted identity
+named ``POINT_PREFIX + n`` (:mod:`adaloss_jax._jaxpr`). Everything after works on that
+jaxpr; the loss is never traced again. While it records, a JAX user context is set, so
+JAX's own trace caches (of nested ``jax.jit``, ``jax.checkpoint``, scan bodies) cannot
+hand back a trace made without the points.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import itertools
+import threading
+from collections.abc import Callable
+from typing import Any, NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+from adaloss_jax import _jaxpr, _tree
+
+_LOCAL = threading.local()
+_HOOKS: list[Callable] = []
+_RECORDING = jax.make_user_context(default_value=None)
+_RECORDINGS = itertools.count()
+
+
+def register_hook(hook: Callable) -> None:
+    """Registers a front end's hook: ``hook(receiver)`` returns a context manager within
+    which the framework reports its module calls (linen's method interceptor). The core
+    imports no framework; a front end registers itself when it is imported."""
+    if hook not in _HOOKS:
+        _HOOKS.append(hook)
+
+
+@contextlib.contextmanager
+def hooks(receiver=None, extra=()):
+    """Every registered hook (and ``extra`` ones) active within the context."""
+    with contextlib.ExitStack() as stack:
+        for hook in (*_HOOKS, *extra):
+            stack.enter_context(hook(receiver))
+        yield
+
+
+class Receiver:
+    """What the module calls a front end reports run through, while it is active (a
+    context manager). Receivers nest; every active one sees every call, the outermost
+    first.
+
+    ``leaf_paths`` (``{id(leaf): path}``) names the parameter leaves the loss was given,
+    so that a front end can tell where a sub-tree of them sits (:func:`subtree_prefix`).
+    """
+
+    leaf_paths: dict = {}
+
+    def given(self, leaves, paths) -> None:
+        """Names the parameter leaves the loss is given (``paths``: their paths)."""
+        self.leaf_paths = {id(x): p for x, p in zip(leaves, paths)}
+
+    def __enter__(self):
+        stack = getattr(_LOCAL, "stack", None)
+        if stack is None:
+            stack = _LOCAL.stack = []
+        stack.append(self)
+        return self
+
+    def __exit__(self, *exc):
+        _LOCAL.stack.remove(self)
+
+    def wrap(self, path: tuple[str, ...], module, next_fun, args, kwargs):
+        """Runs ``next_fun(*args, **kwargs)`` as a call of the module at ``path``."""
+        raise NotImplementedError
+
+
+def active() -> Receiver | None:
+    """The innermost active receiver, or None (front ends then change nothing)."""
+    stack = getattr(_LOCAL, "stack", None)
+    return stack[-1] if stack else None
+
+
+def subtree_prefix(tree) -> tuple[str, ...] | None:
+    """Where ``tree``, parameters a model was applied to, sits in the parameters the
+    loss was given (``params["student"]`` -> ``("student",)``, the whole tree -> ``()``),
+    found by the identity of its leaves. None where no leaf is one of them (parameters
+    transformed before the call) or the paths disagree."""
+    stack = getattr(_LOCAL, "stack", None) or ()
+    flat = jax.tree_util.tree_flatten_with_path(tree)[0]
+    for r in reversed(stack):
+        for keys, x in flat:
+            full = r.leaf_paths.get(id(x))
+            if full is None:
+                continue
+            rel = tuple(_tree.key_name(k) for k in keys)
+            n = len(full) - len(rel)
+            return full[:n] if n >= 0 and full[n:] == rel else None
+    return None
+
+
+def report(path: tuple[str, ...], module, fn: Callable, args, kwargs):
+    """Runs ``fn(*args, **kwargs)`` as a call of the module or scale group at ``path``
+    (``()`` is the root): the one entry point of every front end. A method calling
+    another method of the same module is one call."""
+    stack = list(getattr(_LOCAL, "stack", None) or ())
+    inside = getattr(_LOCAL, "paths", None)
+    if inside is None:
+        inside = _LOCAL.paths = []
+    if not stack or (inside and inside[-1] == path):
+        return fn(*args, **kwargs)
+
+    def run(i, a, k):
+        if i == len(stack):
+            return fn(*a, **k)
+        return stack[i].wrap(path, module, lambda *a2, **k2: run(i + 1, a2, k2), a, k)
+
+    inside.append(path)
+    try:
+        return run(0, args, kwargs)
+    finally:
+        inside.pop()
+
+
+def scale_group(name: str) -> Callable:
+    """Marks a function as a scale group for adaptive per-layer scaling (pure JAX).
+
+    ``scale_group("layer0")(fn)(*args)`` calls ``fn(*args)``; inside
+    :func:`adaloss_jax.adaptive_value_and_grad` the call gets scale points, and the
+    parameters under ``params["layer0"]`` (``"a/b"`` for ``params["a"]["b"]``) are that
+    group's. Outside it, the wrapper is ``fn`` itself.
+
+    Args:
+      name: the group's path, ``/``-separated; not empty.
+
+    Returns:
+      A decorator.
+
+    Raises:
+      ValueError: for an empty name.
+
+    >>> dense = scale_group("layer0")(lambda p, x: x @ p["w"])
+    >>> dense({"w": jnp.eye(2)}, jnp.ones((1, 2))).shape
+    (1, 2)
+    """
+    path = tuple(name.split("/")) if name else ()
+    if not path:
+        raise ValueError("scale_group needs a non-empty name, such as 'layer0'")
+
+    def deco(fn):
+        @functools.wraps(fn)
+        def wrapper(*args, **kwargs):
+            return report(path, None, fn, args, kwargs)
+
+        return wrapper
+
+    return deco
+
+
+class Call(NamedTuple):
+    """A recorded module call: its path and whether it is a scale group of its own."""
+
+    path: tuple[str, ...]
+    group: bool
+
+
+def _identity(label: str):
+    def ident(*xs):
+        return xs
+
+    ident.__name__ = label
+    return jax.jit(ident)
+
+
+class _Recorder(Receiver):
+    """Marks scale points around the calls a front end reports.
+
+    ``selects(path, module)`` says what a call is: ``"group"`` (a module owning
+    parameters), ``"measure"`` (any other module: measured and cut) or None (no point).
+    """
+
+    def __init__(self, selects: Callable):
+        self.selects = selects
+        self.count = 0
+        self.reported = 0  # module calls reported, selected or not
+        self.calls: list[Call] = []
+        self.stack: list[tuple[str, ...]] = []
+        self.sizes: list[int] = []  # floating leaves of each point
+        self.rounding: set[int] = set()  # points on a group's outputs
+        self.dtypes: set = set()  # dtypes of the floating values crossing points
+
+    def wrap(self, path, module, next_fun, args, kwargs):
+        self.reported += 1
+        kind = self.selects(path, module)
+        if kind is None:
+            return next_fun(*args, **kwargs)
+        self.calls.append(Call(path, kind == "group"))
+        args, kwargs = self._point((args, kwargs), rounds=False)
+        self.stack.append(path)
+        try:
+            out = next_fun(*args, **kwargs)
+        finally:
+            self.stack.pop()
+        return self._point(out, rounds=kind == "group")
+
+    def _point(self, tree, rounds: bool):
+        leaves, treedef = jax.tree_util.tree_flatten(tree)
+        # Parameter values pass points unmarked (the parameter point handles them).
+        idx = [i for i, x in enumerate(leaves)
+               if _tree.is_float(x) and isinstance(x, jax.Array)
+               and id(x) not in self.leaf_paths]
+        if not idx:
+            return tree
+        n = self.count
+        self.count += 1
+        self.sizes.append(len(idx))
+        if rounds:
+            self.rounding.add(n)
+        for i in idx:
+            self.dtypes.add(jnp.dtype(leaves[i].dtype))
+        marked = _identity(f"{_jaxpr.POINT_PREFIX}{n}")(*(leaves[i] for i in idx))
+        leaves = list(leaves)
+        for i, y in zip(idx, marked):
+            leaves[i] = y
+        return jax.tree_util.tree_unflatten(treedef, leaves)
+
+
+class Recording(NamedTuple):
+    """A loss traced once with its scale points marked.
+
+    ``closed`` takes the dynamic leaves of ``(params, args, kwargs)`` (parameters first)
+    and returns the flat outputs of ``fun`` (``out_tree``).
+    """
+
+    closed: Any  # jax.extend.core.ClosedJaxpr
+    out_tree: Any
+    dynamic: list  # the input values, in the order of closed's inputs
+    n_params: int  # of which the first n_params are the parameter leaves
+    param_paths: list  # the parameter leaves' paths
+    sizes: list[int]
+    rounding: frozenset
+    calls: list[Call]
+    reported: int
+    dtypes: frozenset
+
+
+def _is_dynamic(x) -> bool:
+    return isinstance(x, jax.Array) or (hasattr(x, "shape") and hasattr(x, "dtype")
+                                        and not isinstance(x, type))
+
+
+def record(fun: Callable, params: Any, args: tuple, kwargs: dict, selects: Callable,
+           extra_hooks=()) -> Recording:
+    """Traces ``fun(params, *args, **kwargs)`` once, with every reported call's floating
+    inputs and outputs marked as scale points and the parameter leaves as the parameter
+    point."""
+    leaves, treedef = jax.tree_util.tree_flatten((params, args, kwargs))
+    n_param_leaves = len(jax.tree_util.tree_leaves(params))
+    dyn = [i for i, x in enumerate(leaves) if _is_dynamic(x)]
+    param_dyn = [i for i in dyn if i < n_param_leaves]
+    paths = _tree.leaf_paths(params)
+    recorder = _Recorder(selects)
+
+    def traced(*values):
+        full = list(leaves)
+        for i, v in zip(dyn, values):
+            full[i] = v
+        floats = [i for i in param_dyn if _tree.is_float(full[i])]
+        marked = _identity(_jaxpr.PARAM_POINT)(*(full[i] for i in floats))
+        for i, v in zip(floats, marked):
+            full[i] = v
+        recorder.given([full[i] for i in range(n_param_leaves)], paths)
+        p, a, k = jax.tree_util.tree_unflatten(treedef, full)
+        with recorder, hooks(recorder, extra_hooks):
+            return fun(p, *a, **k)
+
+    with _RECORDING(next(_RECORDINGS)):
+        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(
+            *(leaves[i] for i in dyn))
+    return Recording(
+        closed=closed, out_tree=jax.tree_util.tree_structure(out_shape),
+        dynamic=[leaves[i] for i in dyn], n_params=len(param_dyn),
+        param_paths=[paths[i] for i in param_dyn], sizes=recorder.sizes,
+        rounding=frozenset(recorder.rounding), calls=recorder.calls,
+        reported=recorder.reported, dtypes=frozenset(recorder.dtypes))

@@ -1,0 +1,177 @@
+"""The adaptive scale rule: a pure function from a state and one step's statistics to the
+next state, branch-free and jit-able (jmp's ``adjust``, for many groups)."""
+
+from __future__ import annotations
+
+import math
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.special import erfinv
+
+from adaloss_jax import _channel, _formats, _policies
+from adaloss_jax._state import (
+    HEALTH_NOTHING_MEASURED,
+    HEALTH_PINNED_LOW,
+    HEALTH_SKIPPING,
+    AdaptiveScaleState,
+    GroupVector,
+)
+
+
+class Measured(NamedTuple):
+    """One step's statistics per group, as vectors in the state's group order (global:
+    already reduced over devices).
+
+    Attributes:
+      active: bool, the groups the program used (the others keep their state).
+      used: log2 of the scale each group's gradients were computed at.
+      amax: largest magnitude measured for the group (cotangents and parameter
+        gradients) at the scale it was computed at; 0: nothing measured; inf: a value
+        was not finite.
+      bad: bool, an overflow started at the group's scale (its cotangent statistics).
+      param_nonfinite: bool, the group's parameter gradients were not all finite.
+      grads_finite: bool scalar, every gradient and measured value was finite.
+      loss_finite: bool scalar.
+      sumsq, count: sum of squares and element count (``statistic="gaussian"``).
+      hist: ``(groups, NBINS)`` binade histogram (``statistic="quantile"``).
+    """
+
+    active: jax.Array
+    used: jax.Array
+    amax: jax.Array
+    bad: jax.Array
+    param_nonfinite: jax.Array
+    grads_finite: jax.Array
+    loss_finite: jax.Array
+    sumsq: jax.Array | None = None
+    count: jax.Array | None = None
+    hist: jax.Array | None = None
+
+
+def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
+    """The next state, for the groups the step used (``s_k``: a group's log2 scale, ``u``:
+    its value this step, ``A_k = amax_k / S_k``: its amax at unit scale)::
+
+        held_k  = max(log2 A_k, held_k(previous) - decay)      # held peak; decay=inf: A_k
+        s_k     = floor(log2 u_max - margin - held_k)          # "amax"
+        s_k     = max(s_k, floor(log2 u_max - margin - max_j log2 A_j))   # finite steps,
+                  several groups: never below the one global scale (no more flushing)
+        s_k     = min(s_k, max(0, ceil(log2(u_min / (sqrt(2) erfinv(T) sigma_k)))))
+                  # "gaussian"
+        s_k     = min(s_k, min{q : #{|x| 2**q < 2 u_min} <= T * n_k})   # "quantile": the
+                  n_k non-zero values of the histogram (no answer if its tail is cut off)
+        s_k     = s_k(previous)  unless total_applied % period == 0
+        s_k     = s_k(previous) + blind_jump      if nothing was measured (all of it
+                  flushed: blind_jump = floor(log2 u_max - margin - log2 u_min - 1)
+                  cannot overflow what was below u_min / 2)
+        s_k     = s_k(previous) - log2(factor) * 2**n   if an overflow started at k's
+                  scale (n: skipped steps in a row, at most 4, if k also overflowed at
+                  the previous step, else 0); after max_consecutive_skips skips in a
+                  row every group with non-finite values backs off
+        s_k     = s_k(previous)   if k only received non-finite values, or the loss
+                  was not finite (a forward overflow: no scale can fix it)
+        s_k     = clip(s_k, log2 min_loss_scale, log2 max_loss_scale)
+
+        applied = grads finite and loss finite and something was measured
+                  and no group's new s_k exceeds its used scale by more than max_rise
+                  (the step was computed far below the scale its statistics call for)
+
+    Skipped steps count in ``base`` as the global scalers' do, and ``health`` flags a
+    run that cannot recover (see :class:`~adaloss_jax.AdaptiveScaleState`).
+    """
+    cfg = state.scaler
+    fmt = cfg.format
+    log2_max = math.log2(fmt.max)
+    lo, hi = math.log2(cfg.min_loss_scale), math.log2(cfg.max_loss_scale)
+    log2 = state.log2_scales.array
+    prev_amax = state.log2_amax.array
+    base = state.base
+    act, used, amax = m.active, m.used, m.amax
+    ng = log2.shape[0]
+
+    # The scale one global group would get: no group goes below it on a finite step.
+    unit = jnp.where(act, jnp.log2(amax) - used, -jnp.inf)  # -inf: nothing measured
+    unit_max = jnp.max(unit, initial=-jnp.inf)
+    recompute = base.total_applied % cfg.period == 0
+    use_floor = m.grads_finite & (unit_max > -jnp.inf) & (ng > 1)
+    if cfg.period > 1:
+        use_floor = use_floor & recompute
+    floor = jnp.where(use_floor, jnp.floor(log2_max - cfg.margin - unit_max), -jnp.inf)
+
+    held = unit if cfg.decay == math.inf else jnp.maximum(unit, prev_amax - cfg.decay)
+    target = jnp.maximum(jnp.floor(log2_max - cfg.margin - held), floor)
+    if m.sumsq is not None:
+        target = jnp.minimum(target, _gaussian(m.sumsq, m.count, used, cfg))
+    if m.hist is not None:
+        target = jnp.minimum(target, _quantile(m.hist, used, cfg))
+    if cfg.period > 1:
+        target = jnp.where(recompute, target, log2)
+
+    escalate = base.notfinite_count >= cfg.max_consecutive_skips
+    # Non-finite parameter gradients that no cotangent statistic explains blame their
+    # own groups; a group that only received non-finite values keeps its scale.
+    blamed = m.bad | (m.param_nonfinite & ~jnp.any(act & m.bad))
+    bad = act & (blamed | (escalate & ~m.grads_finite))
+    hold = ~act | (~bad & ~(amax < jnp.inf))
+    drop = cfg.backoff * jnp.where(state.overflowed.array, _formats.pow2(
+        jnp.minimum(base.notfinite_count, 4)), 1.0)
+    blind_jump = math.floor(log2_max - cfg.margin - math.log2(fmt.min_subnormal) - 1)
+    grown = jnp.maximum(log2 + blind_jump, floor)
+    nxt = jnp.where(bad, log2 - drop, jnp.where(amax > 0, target, grown))
+    nxt = jnp.clip(jnp.where(hold, log2, nxt), lo, hi)
+    new_log2 = jnp.where(m.loss_finite, nxt, log2).astype(jnp.float32)
+
+    measured = jnp.any(act & (amax > 0))
+    rise = jnp.where(act & (amax > 0) & ~bad, new_log2 - used, 0.0)
+    underscaled = jnp.any(rise > cfg.max_rise)
+    new_base = _policies.count_step(base, m.grads_finite & measured & ~underscaled, m.loss_finite)
+    new_base = new_base._replace(loss_scale=_formats.pow2(new_log2[0]))
+    health = (jnp.where(new_base.notfinite_count >= cfg.max_consecutive_skips,
+                        HEALTH_SKIPPING, 0)
+              | jnp.where(jnp.any(bad & (log2 <= lo)), HEALTH_PINNED_LOW, 0)
+              | jnp.where(jnp.any(act & (amax == 0) & (log2 >= hi)) & ~measured,
+                          HEALTH_NOTHING_MEASURED, 0)).astype(jnp.int32)
+    names = state.groups
+    return AdaptiveScaleState(
+        base=new_base,
+        log2_scales=GroupVector(names, new_log2),
+        log2_amax=GroupVector(names, jnp.where(bad | hold, prev_amax, held).astype(jnp.float32)),
+        overflowed=GroupVector(names, jnp.where(act, bad, state.overflowed.array)),
+        health=health,
+        scaler=cfg,
+        fingerprint=state.fingerprint,
+    )
+
+
+def _gaussian(sumsq, count, used, cfg) -> jax.Array:
+    """The reference's rule: the smallest power of two at which a zero-mean normal with
+    the measured std puts at most ``threshold`` of its mass below ``u_min`` (ceil: floor
+    would allow up to 2T), never below 1 (its ``alpha >= 1``); +inf where nothing was
+    measured."""
+    with jax.ensure_compile_time_eval():  # a constant of the configuration
+        t = float(erfinv(jnp.float32(cfg.threshold)))
+    c = math.log2(cfg.format.min_subnormal) - math.log2(math.sqrt(2.0) * t)
+    unit_log2_sigma = 0.5 * jnp.log2(sumsq / jnp.maximum(count, 1.0)) - used
+    return jnp.where(sumsq > 0, jnp.maximum(jnp.ceil(c - unit_log2_sigma), 0.0), jnp.inf)
+
+
+def _quantile(hist, used, cfg) -> jax.Array:
+    """The smallest scale keeping at most ``threshold`` of the histogram's non-zero values
+    below ``2 u_min`` (+inf where it has no answer).
+
+    ``below[j]`` counts values under ``2**(lo + j)`` at the used scale; the largest ``j``
+    with ``below[j] <= T n`` puts binade ``k`` at ``2 u_min``. ``k == e_min``: more than
+    ``T`` of the values sit in the lowest binade the format holds, where values rounded
+    up from below ``u_min`` land and under which flushed ones vanish: the tail is cut off
+    by an unknown amount, so the amax rule alone applies (the next step sees the tail).
+    """
+    e_min = cfg.format.min_exponent
+    lo = e_min - _channel.HIST_BELOW
+    zero = jnp.zeros(hist.shape[:-1] + (1,), jnp.float32)
+    below = jnp.concatenate([zero, jnp.cumsum(hist, axis=-1)], axis=-1)
+    total = below[..., -1]
+    k = lo + jnp.sum(below <= cfg.threshold * total[..., None], axis=-1) - 1
+    s_q = (used + e_min + 1 - k).astype(jnp.float32)
+    return jnp.where((total > 0) & (k != e_min), s_q, jnp.inf)

@@ -1,0 +1,217 @@
+"""The state of adaptive scaling and the statistics a backward pass hands to it.
+
+Both are pytrees of arrays with static metadata: the group names, the scaler the state
+was built with, and a fingerprint of the parameters it belongs to. So a state knows its
+configuration (the gradient functions read the scaler from it) and refuses gradients or
+statistics of another model at trace time.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from collections.abc import Mapping
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from adaloss_jax import _tree
+from adaloss_jax._config import AdaptiveScale
+from adaloss_jax._policies import LossScaleState
+from adaloss_jax._policies import initial_state as base_state
+
+HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
+
+
+class GroupVector(Mapping):
+    """One value per scale group, held as one array along its last axis: ``v["Dense_0"]``
+    reads a group's value and iteration gives the group names (a read-only ``Mapping``).
+
+    A pytree with one leaf, ``array``; the names are static. States stacked by ``vmap`` or
+    ``shard_map`` (leading axes) read the same way.
+
+    >>> v = GroupVector(("", "Dense_0"), jnp.array([3.0, 5.0]))
+    >>> float(v["Dense_0"]), list(v)
+    (5.0, ['', 'Dense_0'])
+    """
+
+    __slots__ = ("names", "array")
+
+    def __init__(self, names, array):
+        self.names = tuple(names)
+        self.array = array
+
+    def index(self, name: str) -> int:
+        """The position of group ``name`` along the array's last axis."""
+        try:
+            return self.names.index(name)
+        except ValueError:
+            raise KeyError(name) from None
+
+    def __getitem__(self, name):
+        return self.array[..., self.index(name)]
+
+    def __iter__(self):
+        return iter(self.names)
+
+    def __len__(self):
+        return len(self.names)
+
+    def __repr__(self):
+        return f"GroupVector(names={self.names!r}, array={self.array!r})"
+
+
+jax.tree_util.register_pytree_with_keys(
+    GroupVector,
+    lambda v: (((jax.tree_util.GetAttrKey("array"), v.array),), v.names),
+    lambda names, children: GroupVector(names, children[0]),
+    flatten_func=lambda v: ((v.array,), v.names),
+)
+
+
+def fingerprint(tree: Any) -> str:
+    """A short hash of a parameter tree's leaf paths and shapes (not dtypes: fp32 master
+    parameters and their fp16 gradients match)."""
+    shapes = [tuple(getattr(x, "shape", ())) for x in jax.tree_util.tree_leaves(tree)]
+    text = repr(list(zip(_tree.leaf_paths(tree), shapes)))
+    return hashlib.sha1(text.encode()).hexdigest()[:12]
+
+
+def check_fingerprint(expected: str, tree_or_fingerprint: Any, what: str, fix: str) -> None:
+    """Refuses, at trace time, ``what`` that belongs to another model than ``expected``."""
+    got = (tree_or_fingerprint if isinstance(tree_or_fingerprint, str)
+           else fingerprint(tree_or_fingerprint))
+    if got != expected:
+        raise ValueError(
+            f"{what} belong to another model than this optimizer state (parameter paths or "
+            f"shapes differ: fingerprint {got} != {expected}); {fix}")
+
+
+def _static(**kw):
+    return dataclasses.field(metadata={"static": True}, **kw)
+
+
+@dataclasses.dataclass(frozen=True)
+class AdaptiveScaleState:
+    """State of :func:`adaloss_jax.adaptive_unscale`.
+
+    Attributes:
+      base: a :class:`~adaloss_jax.LossScaleState`: ``loss_scale`` is the root scale (the
+        one the loss is multiplied by), and its counters count applied and skipped steps
+        as the global scalers' do. Its fields read on this state too
+        (``state.loss_scale``, ``state.last_applied``, ``state.total_applied``, ...).
+      log2_scales: :class:`GroupVector` of fp32, ``log2`` of each group's scale.
+      log2_amax: :class:`GroupVector` of fp32, ``log2`` of the group's held amax peak at
+        unit scale (``-inf`` before anything was measured).
+      overflowed: :class:`GroupVector` of bool, whether the group overflowed at the last
+        step.
+      health: int32 bit set, 0 when all is well: ``HEALTH_SKIPPING`` (at least
+        ``max_consecutive_skips`` skipped steps in a row), ``HEALTH_PINNED_LOW`` (a group
+        overflowed at ``min_loss_scale``), ``HEALTH_NOTHING_MEASURED`` (a group measured
+        nothing at ``max_loss_scale``). :func:`adaloss_jax.check_health` explains them.
+      scaler: the :class:`~adaloss_jax.AdaptiveScale` the state was built with (static).
+      fingerprint: the parameter paths and shapes the state was built for (static).
+    """
+
+    base: LossScaleState
+    log2_scales: GroupVector
+    log2_amax: GroupVector
+    overflowed: GroupVector
+    health: jax.Array
+    scaler: AdaptiveScale = _static()
+    fingerprint: str = _static()
+
+    @property
+    def groups(self) -> tuple[str, ...]:
+        """The scale groups, in model order (the root ``""`` first)."""
+        return self.log2_scales.names
+
+    def replace(self, **changes) -> AdaptiveScaleState:
+        """A copy with some fields replaced (``dataclasses.replace``)."""
+        return dataclasses.replace(self, **changes)
+
+    def with_log2_scales(self, log2: Mapping[str, Any]) -> AdaptiveScaleState:
+        """A copy with the groups in ``log2`` set to those log2 scales (integers), the
+        root's ``loss_scale`` included: a warm start, or a test's chosen scales.
+
+        >>> import adaloss_jax as alj
+        >>> tx = alj.adaptive_unscale(alj.adaptive(groups="module"))
+        >>> st = tx.init({"a": {"w": jnp.ones(2)}}).with_log2_scales({"a": 7})
+        >>> float(st.log2_scales["a"]), float(st.log2_scales[""])
+        (7.0, 0.0)
+        """
+        unknown = sorted(set(log2) - set(self.groups))
+        if unknown:
+            raise KeyError(f"no scale groups {unknown} in this state (groups: "
+                           f"{list(self.groups)})")
+        arr = self.log2_scales.array
+        for g, v in log2.items():
+            arr = arr.at[..., self.groups.index(g)].set(jnp.float32(v))
+        return self.replace(log2_scales=GroupVector(self.groups, arr),
+                            base=self.base._replace(loss_scale=jnp.exp2(arr[..., 0])))
+
+    def __getattr__(self, name):
+        # The counters read as on a global scaler's state: state.total_applied, ...
+        if name in LossScaleState._fields:
+            return getattr(self.base, name)
+        raise AttributeError(f"AdaptiveScaleState has no attribute {name!r}")
+
+
+jax.tree_util.register_dataclass(
+    AdaptiveScaleState,
+    data_fields=["base", "log2_scales", "log2_amax", "overflowed", "health"],
+    meta_fields=["scaler", "fingerprint"],
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class ScaleStats:
+    """What a backward pass measured, per scale group in use, handed by
+    :func:`adaloss_jax.adaptive_value_and_grad` to :func:`adaloss_jax.adaptive_unscale`.
+
+    Attributes:
+      log2_scales: the scale each group's gradients were computed at (the one they are
+        unscaled by).
+      amax: the largest measured cotangent magnitude at the group's scale (inf if a value
+        was not finite), in units of ``grad_dtype``: a value held in a wider format counts
+        ``u_max / u_max(its format)`` times less.
+      bad: whether an overflow started at the group's scale (only those groups back off).
+      sumsq / count: sum of squares and element count (``statistic="gaussian"``), or
+        ``None``.
+      hist: per-binade histogram at the group's scale (``statistic="quantile"``; an array
+        ``(NBINS, groups)``), or ``None``.
+      nonfinite: whether any measured value or conversion was not finite.
+      fingerprint: the parameters the statistics were measured for (static).
+    """
+
+    log2_scales: GroupVector
+    amax: GroupVector
+    bad: GroupVector
+    nonfinite: jax.Array
+    sumsq: GroupVector | None = None
+    count: GroupVector | None = None
+    hist: GroupVector | None = None
+    fingerprint: str = _static(default="")
+
+
+jax.tree_util.register_dataclass(
+    ScaleStats,
+    data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist"],
+    meta_fields=["fingerprint"],
+)
+
+
+def initial_state(params: Any, scaler: AdaptiveScale, groups: list[str]) -> AdaptiveScaleState:
+    """Every group at ``initial_scale``, nothing measured yet."""
+    n = len(groups)
+    s0 = jnp.log2(jnp.float32(scaler.initial_scale))
+    return AdaptiveScaleState(
+        base=base_state(scaler.initial_scale, 1),
+        log2_scales=GroupVector(groups, jnp.full((n,), s0, jnp.float32)),
+        log2_amax=GroupVector(groups, jnp.full((n,), -jnp.inf, jnp.float32)),
+        overflowed=GroupVector(groups, jnp.zeros((n,), jnp.bool_)),
+        health=jnp.zeros((), jnp.int32),
+        scaler=scaler,
+        fingerprint=fingerprint(params),
+    )

@@ -46,7 +46,7 @@ class AdaptiveScale:
     ``min_loss_scale``      ``2**-24``        lower bound of every scale (a power of two)
     ``max_loss_scale``      ``2**64``         upper bound of every scale (a power of two)
     ``factor``              ``16.0``          back-off factor of a group that overflowed
-    ``max_rise``            ``8``             binades: a step whose statistics call for a
+    ``max_rise``            log2(``factor``)  binades: a step whose statistics call for a
                                               scale this much higher is not applied
     ``max_consecutive_skips`` ``16``          skipped steps in a row before ``health`` flags
     ``max_depth``           ``None``          scale points only around modules this deep
@@ -84,8 +84,9 @@ class AdaptiveScale:
         ``factor ** (2 ** n)`` after ``n`` consecutive overflows (``n`` capped at 4).
       max_rise: a step whose own statistics call for a scale more than ``max_rise``
         binades above the one a group's gradients were computed at (the first step at
-        ``initial_scale``, a step after a large backoff) is skipped: the scales move, and
-        the next step is computed at them.
+        ``initial_scale``, a step after more than one backoff) is skipped: the scales
+        move, and the next step is computed at them. ``None``: ``log2(factor)``, so the
+        step after a single backoff is applied.
       max_consecutive_skips: ``K``: after ``K`` skipped steps in a row ``health`` says so.
       max_depth: scale points go only around calls of modules nested at most this deep
         (``"Block_0"`` is at depth 1, ``"Block_0/attn"`` at 2); a deeper module's
@@ -112,7 +113,7 @@ class AdaptiveScale:
     min_loss_scale: float = 2.0**-24
     max_loss_scale: float = 2.0**64
     factor: float = 16.0
-    max_rise: int = 8
+    max_rise: int | None = None
     max_consecutive_skips: int = 16
     max_depth: int | None = None
     filter: Callable[[tuple[str, ...], Any], bool] | None = None
@@ -150,7 +151,9 @@ class AdaptiveScale:
                 f"max_loss_scale] = [{self.min_loss_scale!r}, {self.max_loss_scale!r}]; pass "
                 f"an initial_scale inside the bounds")
         _validation.check_growth_factor("factor", self.factor)
-        _validation.check_int("max_rise", self.max_rise, minimum=1)
+        if self.max_rise is None:
+            object.__setattr__(self, "max_rise", self.backoff)
+        _validation.check_int("max_rise", self.max_rise, minimum=0)
         _validation.check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
         _validation.check_bool("simulate", self.simulate)
         if self.max_depth is not None:

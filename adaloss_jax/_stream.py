@@ -294,9 +294,10 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
         x = tuple(None if i in passed else of(region(v)) for i, (v, _) in enumerate(pairs))
         y = tuple(None if i in passed else of(region(v)) for i, (_, v) in enumerate(pairs))
         fed = w.fed.get(n, [])
-        if (n not in keep and x == y and len(fed) == 1 and fed[0]
+        feeders = [a for i, a in enumerate(fed[0]) if i not in passed] if len(fed) == 1 else []
+        if (n not in keep and x == y and feeders
                 and all(a is not None and a in whole and len(w.points[a]) == 1
-                        and a not in w.blobbed for a in fed[0])):
+                        and a not in w.blobbed for a in feeders)):
             points.append(PointPlan(None, None))  # a repeat of the point feeding it
             continue
         points.append(PointPlan(x=x, y=y))

@@ -3,11 +3,12 @@ the measurement behind ``AdaptiveScale.max_rise`` (issue 22).
 
 For each bench task, loss multiplier and scaler, the parameters at initialisation and
 after a few fp32 training steps, and one batch: the scales the rule settles on for that
-batch (``T_k``, three updates from scale 1) are lowered by ``r`` binades for every group
-and the step's gradient is computed at ``T_k - r``. Reported per ``r``: the rise the rule
-sees (``max_k`` new scale minus the scale used) and the share of the non-zero fp32
-gradient elements that the step flushes beyond what the step at ``T_k`` flushes ("flushed
-by a too-low scale"). The last column is the largest ``r`` whose excess stays <= 1%.
+batch (``T_k``, repeated updates from scale 1 until they stop moving) are lowered by
+``r`` binades for every group and the step's gradient is computed at ``T_k - r``.
+Reported per ``r``: the rise the rule sees (``max_k`` new scale minus the scale used)
+and the share of the non-zero fp32 gradient elements that the step flushes beyond what
+the step at ``T_k`` flushes ("flushed by a too-low scale"). The last column is the
+largest ``r`` whose excess stays <= 1%.
 
 Usage::
 
@@ -77,9 +78,13 @@ def measure(task_name: str, scaler_name: str, multiplier: float, trained: int,
         return updates, state
 
     state = tx.init(params)
-    for _ in range(3):  # from scale 1: all flushed (blind jump), then measured
+    target = None
+    for _ in range(12):  # from scale 1 (all flushed: blind jump) until the scales settle
         _, state = step(state)
-    target = {g: float(v) for g, v in state[0].log2_scales.items()}
+        scales = {g: float(v) for g, v in state[0].log2_scales.items()}
+        if scales == target:
+            break
+        target = scales
     rows = []
     for r in range(max_r + 1):
         st = (state[0].with_log2_scales({g: v - r for g, v in target.items()}), state[1])
@@ -108,7 +113,7 @@ def main(argv=None) -> int:
     print(f"# jax {jax.__version__}; excess = flushed at T-r minus flushed at T; "
           f"rise = largest new scale minus scale used")
     print(f"{'task':<15} {'scaler':<12} {'loss x':>7} {'trained':>7} {'flushed at T':>12}  "
-          f"excess at r = 4 / 8 / 12 / 16 / 20 (rise seen)          largest r <= 1%")
+          f"excess at r = 1 / 2 / 4 / 8 / 12 / 16 / 20 (rise seen)   largest r <= 1%")
     t0 = time.perf_counter()
     for task in args.tasks.split(","):
         if _tasks.TASKS[task].available() is not None:
@@ -119,7 +124,7 @@ def main(argv=None) -> int:
                 for trained in (int(t) for t in args.trained.split(",")):
                     res = measure(task, scaler, mult, trained, args.max_r)
                     cells = []
-                    for r in (4, 8, 12, 16, 20):
+                    for r in (1, 2, 4, 8, 12, 16, 20):
                         if r <= args.max_r:
                             _, rise, f, _ = res["rows"][r]
                             cells.append(f"{100 * (f - res['base']):5.2f}% ({rise:4.1f})")

@@ -24,3 +24,19 @@ def mesh():
     if jax.device_count() < 8:
         pytest.fail(f"expected 8 CPU devices (XLA_FLAGS above), got {jax.device_count()}")
     return jax.make_mesh((8,), ("data",))
+
+
+# Property tests really search: random examples, a new draw every run (failures are
+# kept in hypothesis's database and replayed first). The fast tier draws a few per test,
+# CI (CI=true) more. No shrinking: every example compiles programs, and the strategies
+# are small choices that a failure report already names.
+def _hypothesis_profiles():
+    from hypothesis import Phase, settings
+
+    phases = (Phase.explicit, Phase.reuse, Phase.generate)
+    settings.register_profile("fast", max_examples=4, deadline=None, phases=phases)
+    settings.register_profile("ci", max_examples=12, deadline=None, phases=phases)
+    settings.load_profile("ci" if os.environ.get("CI") else "fast")
+
+
+_hypothesis_profiles()

@@ -1,0 +1,147 @@
+"""The stream analysis and the reading of traced programs, on small hand-written programs
+(pure JAX, a few equations each): where conversions go, what a transformation changes
+(nothing), and what cannot be seen through (opaque, not applied)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+import adaloss_jax as alj
+from adaloss_jax import _jaxpr, _record, _stream
+
+A, B = ("a",), ("b",)
+ROOT = ("",)
+
+
+def _dense(p, x):
+    return jnp.tanh(x @ p["w"])
+
+
+a, b = alj.scale_group("a")(_dense), alj.scale_group("b")(_dense)
+PARAMS = {"a": {"w": jnp.eye(4) / 2}, "b": {"w": jnp.eye(4) / 3}}
+X = jnp.ones((2, 4))
+
+
+def plan_of(loss, params=PARAMS, x=X) -> tuple[_record.Recording, _stream.Plan]:
+    owners_of = {("a",): "a", ("b",): "b"}
+    rec = _record.record(loss, params, (x,), {},
+                         lambda path, m: "group" if path in owners_of else "measure")
+    owners = [owners_of.get(p[:1], "") for p in rec.param_paths]
+    return rec, _stream.analyse(rec.closed.jaxpr, rec.sizes, owners)
+
+
+def applied(plan) -> list[tuple]:
+    """``(x anchors, y anchors)`` of every applied point's marked leaves (a parameter
+    passed as an argument is not marked), in point order."""
+    return [tuple((x, y) for x, y in zip(p.x, p.y) if x is not None)
+            for p in plan.points if p.x is not None]
+
+
+def test_a_chain_keeps_the_consumers_scale_until_the_loss():
+    """a -> b -> loss: the cotangent leaving b goes to the loss region (root) and back
+    at b's scale; between a and b the stream runs at b's scale (the consumer's), and
+    enters a converted to a's."""
+    rec, plan = plan_of(lambda p, x: jnp.sum(b(p["b"], a(p["a"], x))))
+    assert rec.sizes == [1, 1, 1, 1]  # a's input and output, b's input and output
+    # a's input (the parameter-free x: measured at a's scale), a's output into the stream
+    # at b's scale, b's output to the loss; b's input only repeats a's output: left out.
+    assert applied(plan) == [((A, A),), ((A, B),), ((B, ROOT),)]
+    # Every parameter is read in its own group's region: no parameter conversion.
+    assert plan.params == (A, B)
+
+
+def test_a_fan_in_runs_at_every_consumer_scale():
+    """x feeds a and the residual sum: one region anchored by both of its consumers."""
+    rec, plan = plan_of(lambda p, x: jnp.sum(b(p["b"], a(p["a"], x) + x)))
+    anchors = {xa for pts in applied(plan) for xa, _ in pts}
+    assert ("a", "b") in anchors or ("", "b") in anchors or any(len(t) > 1 for t in anchors)
+
+
+def test_a_parameter_passed_as_an_argument_passes_its_point_unmarked():
+    """A value computed from parameters alone (a slice, a cast) crossing a group's
+    boundary is a parameter: no row, no conversion at the point."""
+    stacked = {"a": {"w": jnp.stack([jnp.eye(4)] * 2)}}
+    owners = lambda path, m: "group" if path == ("a",) else "measure"
+    rec = _record.record(lambda p, x: jnp.sum(a({"w": p["a"]["w"][1].astype(jnp.float16)}, x)),
+                         stacked, (X,), {}, owners)
+    plan = _stream.analyse(rec.closed.jaxpr, rec.sizes, ["a"])
+    first = plan.points[0]
+    assert rec.sizes[0] == 2  # the parameter slice and x cross a's input
+    assert first.x[0] is None and first.y[0] is None  # the slice passes unmarked
+    assert first.x[1] is not None
+
+
+@pytest.mark.parametrize("wrap", ["jit", "checkpoint", "cond"])
+def test_jit_checkpoint_and_cond_change_no_plan(wrap):
+    def wrapped(f):
+        if wrap == "jit":
+            return jax.jit(f)
+        if wrap == "checkpoint":
+            return jax.checkpoint(f)
+        return lambda p, x: jax.lax.cond(True, f, lambda p, x: f(p, x * 2), p, x)
+
+    def loss(p, x):
+        return jnp.sum(b(p["b"], a(p["a"], x)))
+
+    _, plain = plan_of(loss)
+    rec, transformed = plan_of(wrapped(loss))
+    kinds = {_jaxpr.Reader().kind(e) for e in rec.closed.jaxpr.eqns}
+    assert {"jit": _jaxpr.INLINE, "checkpoint": _jaxpr.REMAT, "cond": _jaxpr.COND}[wrap] in kinds
+    if wrap == "cond":  # both branches are recorded: each has its points, the same plan
+        assert applied(transformed) == applied(plain) * 2
+    else:
+        assert applied(transformed) == applied(plain)
+
+
+def test_a_scan_carry_is_one_region_across_iterations():
+    stacked = {"a": {"w": jnp.stack([jnp.eye(4) / 2] * 3)}}
+
+    def loss(p, x):
+        h, _ = jax.lax.scan(lambda h, w: (a({"w": w}, h), None), x, p["a"]["w"])
+        return jnp.sum(h)
+
+    rec, plan = plan_of(loss, stacked)
+    assert _jaxpr.SCAN in {_jaxpr.Reader().kind(e) for e in rec.closed.jaxpr.eqns}
+    pts = applied(plan)
+    # Into a from the carry (the loss's region: root) and back out to it.
+    assert ((ROOT, A),) in pts or ((A, ROOT),) in pts
+
+
+def test_points_inside_a_custom_derivative_are_not_applied():
+    """A user's custom_jvp replaces autodiff's derivative: points inside it would never
+    see a cotangent, so they are left out and the equation is one region."""
+
+    @jax.custom_jvp
+    def f(p, x):
+        return a(p, x)
+
+    f.defjvp(lambda primals, tangents: (f(*primals), tangents[1]))
+    rec, plan = plan_of(lambda p, x: jnp.sum(b(p["b"], f(p["a"], x))))
+    assert len(rec.sizes) == 4  # recorded
+    assert all(p.x is None for p in plan.points[:2])  # a's points: inside custom_jvp
+    assert any(p.x is not None for p in plan.points[2:])  # b's: applied
+    kinds = [_jaxpr.Reader().kind(e) for e in rec.closed.jaxpr.eqns]
+    assert _jaxpr.OPAQUE in kinds
+
+
+def test_reader_kinds():
+    rec, _ = plan_of(lambda p, x: jnp.sum(b(p["b"], a(p["a"], x))))
+    reader = _jaxpr.Reader()
+    kinds = [reader.kind(e) for e in rec.closed.jaxpr.eqns]
+    assert kinds[0] == _jaxpr.PARAMS
+    assert kinds.count(_jaxpr.POINT) == 4
+    assert _jaxpr.PLAIN in kinds
+    assert [_jaxpr.point_number(e) for e in rec.closed.jaxpr.eqns
+            if reader.kind(e) == _jaxpr.POINT] == [0, 1, 2, 3]
+
+
+def test_recording_is_not_fooled_by_jax_trace_caches():
+    """A jitted function traced once without points (outside the gradient) is traced
+    again, with them, while recording: JAX's cache cannot hand back the old trace."""
+    jb = jax.jit(lambda p, x: b(p, x))
+    jax.make_jaxpr(jb)(PARAMS["b"], X)  # cached without points
+    rec, plan = plan_of(lambda p, x: jnp.sum(jb(p["b"], a(p["a"], x))))
+    assert len(rec.sizes) == 4
+    assert len(applied(plan)) >= 2

@@ -1,0 +1,378 @@
+"""JAX's transformations around the model and inside it, in every front end: a
+transformed loss measures what its untransformed twin measures and gets its gradients.
+
+A random composition is drawn: one transformation around the model (a per-example
+``vmap``, ``jax.checkpoint``, ``jax.jit``, ``lax.cond``) and one inside it, around each
+layer's call (the same, in each framework's own spelling: ``nn.remat``, ``nnx.jit``,
+...). The untransformed twin is the same model with neither: for a per-example ``vmap``,
+the batched model. At the same per-group scales:
+
+* the decoded statistics are equal (amax to fp16 rounding of the cotangents, overflow
+  flags exactly);
+* the scaled gradients are equal (to fp16 rounding, since XLA may order the sums of a
+  batched and a per-example program differently);
+* in fp32, under arbitrary per-group scales, the unscaled gradients equal ``jax.grad``
+  of the fp32 loss (exactness: every conversion is at the right place).
+
+Stacked layers run by ``lax.scan`` are compared with their unrolled twin in
+:func:`test_scanned_stack_equals_its_unrolled_twin`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _close import assert_fp32_trees_close
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import adaloss_jax as alj
+
+D, B, L = 8, 6, 3
+AROUND = ("none", "vmap", "remat", "jit", "cond")
+INSIDE = ("none", "remat", "jit", "cond", "vmap")
+FRONT_ENDS = ("jax", "equinox", "linen", "nnx")
+
+
+def _x(dtype):
+    return jnp.asarray(np.random.default_rng(0).normal(size=(B, D)), dtype)
+
+
+def _around(kind, model_fn):
+    """``model_fn(x) -> out`` on a batch, transformed around the whole model."""
+    if kind == "none":
+        return model_fn
+    if kind == "vmap":  # per example: the model sees one row at a time
+        return lambda x: jax.vmap(lambda xi: model_fn(xi[None])[0])(x)
+    if kind == "remat":
+        return jax.checkpoint(model_fn)
+    if kind == "jit":
+        return jax.jit(model_fn)
+    assert kind == "cond"
+    return lambda x: jax.lax.cond(jnp.sum(x) > -1e9, model_fn, lambda x: model_fn(x * 0.5), x)
+
+
+def _inside(kind, call):
+    """``call(h) -> h`` (one layer), transformed with plain JAX."""
+    if kind == "none":
+        return call
+    if kind == "vmap":
+        return lambda h: jax.vmap(lambda hi: call(hi[None])[0])(h)
+    if kind == "remat":
+        return jax.checkpoint(call)
+    if kind == "jit":
+        return jax.jit(call)
+    return lambda h: jax.lax.cond(jnp.sum(h) > -1e9, call, lambda h: call(h * 0.5), h)
+
+
+def _nnx_around(kind, model, x):
+    """The same transformations around an NNX model, in NNX's spelling (a stateful model
+    crosses a transformation through NNX's own)."""
+    from flax import nnx
+
+    call = lambda m, x: m(x)
+    if kind == "none":
+        return model(x)
+    if kind == "vmap":
+        return nnx.vmap(lambda m, xi: m(xi[None])[0], in_axes=(None, 0))(model, x)
+    if kind == "remat":
+        return nnx.remat(call)(model, x)
+    if kind == "jit":
+        return nnx.jit(call)(model, x)
+    return nnx.cond(jnp.sum(x) > -1e9, call, lambda m, x: m(x * 0.5), model, x)
+
+
+# --------------------------------------------------------------------------- front ends
+
+
+def _jax_model(inside, dtype):
+    layers = [alj.scale_group(f"layer{i}")(
+        lambda p, h: jnp.tanh(h @ p["w"].astype(h.dtype) + p["b"].astype(h.dtype)))
+        for i in range(L)]
+    keys = jax.random.split(jax.random.key(0), L)
+    params = {f"layer{i}": {"w": jax.random.normal(keys[i], (D, D)) / D**0.5,
+                            "b": jnp.full((D,), 0.1)} for i in range(L)}
+
+    def apply(p, x):
+        h = x.astype(dtype)
+        for i, layer in enumerate(layers):
+            h = _inside(inside, functools.partial(layer, p[f"layer{i}"]))(h)
+        return h
+
+    return params, apply
+
+
+def _equinox_model(inside, dtype):
+    import equinox as eqx
+
+    class Layer(eqx.Module):
+        lin: eqx.nn.Linear
+
+        def __call__(self, h):  # h: (batch, D)
+            return jnp.tanh(jax.vmap(self.lin)(h))
+
+    class Net(eqx.Module):
+        layers: list
+
+        def __call__(self, x):
+            h = x
+            for layer in self.layers:
+                h = _inside(inside, lambda h, layer=layer: layer(h))(h)
+            return h
+
+    keys = jax.random.split(jax.random.key(0), L)
+    net = Net([Layer(eqx.nn.Linear(D, D, key=k, dtype=dtype)) for k in keys])
+    return net
+
+
+def _linen_model(inside, dtype):
+    from flax import linen as nn
+
+    lift = {"none": lambda c: c, "remat": nn.remat, "jit": nn.jit,
+            "vmap": lambda c: nn.vmap(c, in_axes=0, out_axes=0,
+                                      variable_axes={"params": None},
+                                      split_rngs={"params": False}),
+            "cond": None}[inside]
+
+    class Layer(nn.Module):
+        @nn.compact
+        def __call__(self, h):
+            return jnp.tanh(nn.Dense(D, dtype=dtype)(h))
+
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            h = x
+            for i in range(L):
+                if inside == "cond":
+                    layer = Layer(name=f"Layer_{i}")
+                    h = nn.cond(jnp.sum(h) > -1e9, lambda m, h: m(h),
+                                lambda m, h: m(h * 0.5), layer, h)
+                elif inside == "vmap":
+                    h = lift(Layer)(name=f"Layer_{i}")(h[:, None])[:, 0]
+                else:
+                    h = lift(Layer)(name=f"Layer_{i}")(h)
+            return h
+
+    return Net()
+
+
+def _nnx_model(inside, dtype):
+    from flax import nnx
+
+    class Layer(nnx.Module):
+        def __init__(self, rngs):
+            self.lin = nnx.Linear(D, D, dtype=dtype, rngs=rngs)
+
+        def __call__(self, h):
+            return jnp.tanh(self.lin(h))
+
+    lift = {"none": lambda f: f, "remat": nnx.remat, "jit": nnx.jit,
+            "vmap": lambda f: nnx.vmap(f, in_axes=(None, 0)), "cond": None}[inside]
+
+    class Net(nnx.Module):
+        def __init__(self, rngs):
+            self.layers = nnx.List([Layer(rngs) for _ in range(L)])
+
+        def __call__(self, x):
+            h = x
+            for layer in self.layers:
+                if inside == "cond":
+                    h = nnx.cond(jnp.sum(h) > -1e9, lambda m, h: m(h),
+                                 lambda m, h: m(h * 0.5), layer, h)
+                else:
+                    h = lift(lambda m, h: m(h))(layer, h)
+            return h
+
+    return Net(nnx.Rngs(0))
+
+
+@dataclasses.dataclass
+class Case:
+    """One front end's model with transformations: ``grads(state) -> (loss, scaled
+    grads, stats)`` (jitted), the scaler's initial state, and the fp32 reference."""
+
+    grads: callable
+    state: object
+    params: object  # what the optimizer state is built for (plain arrays)
+    reference: callable  # () -> fp32 gradients (None where not comparable)
+
+
+def build(front_end, around, inside, dtype, scaler, tiny=1.0) -> Case:
+    x = _x(jnp.float32)
+    square = lambda out: jnp.mean(out.astype(jnp.float32) ** 2) * tiny
+    if front_end == "jax":
+        params, apply = _jax_model(inside, dtype)
+        loss = lambda p, x: square(_around(around, functools.partial(apply, p))(x))
+        vg = alj.adaptive_value_and_grad(loss)
+        state = alj.adaptive_unscale(scaler).init(params)
+        grads = jax.jit(lambda s: vg(s, params, x))
+        return Case(grads, state, params, lambda: jax.grad(loss)(params, x))
+    if front_end == "equinox":
+        import equinox as eqx
+
+        from adaloss_jax.equinox import eqx_adaptive_value_and_grad
+
+        net = _equinox_model(inside, dtype)
+        loss = lambda m, x: square(_around(around, lambda h: m(h))(x.astype(dtype)))
+        params = eqx.filter(net, eqx.is_inexact_array)
+        state = alj.adaptive_unscale(scaler).init(params)
+        vg = eqx_adaptive_value_and_grad(loss)
+        grads = eqx.filter_jit(lambda s: vg(s, net, x))
+        return Case(grads, state, params, lambda: eqx.filter_grad(loss)(net, x))
+    if front_end == "linen":
+        net = _linen_model(inside, dtype)
+        # The untransformed model's parameters (a lifted transform may initialise in
+        # another order): the same tree for every variant.
+        params = _linen_model("none", dtype).init(jax.random.key(0), x.astype(dtype))["params"]
+        loss = lambda p, x: square(_around(around, lambda x: net.apply({"params": p}, x))(
+            x.astype(dtype)))
+        state = alj.adaptive_unscale(scaler).init(params)
+        vg = alj.adaptive_value_and_grad(loss)
+        grads = jax.jit(lambda s: vg(s, params, x))
+        return Case(grads, state, params, lambda: jax.grad(loss)(params, x))
+    from flax import nnx
+
+    from adaloss_jax.flax import nnx_adaptive_value_and_grad
+
+    net = _nnx_model(inside, dtype)
+    loss = lambda m, x: square(_nnx_around(around, m, x.astype(dtype)))
+    params = nnx.as_pure(nnx.state(net, nnx.Param))
+    state = alj.adaptive_unscale(scaler).init(params)
+    vg = nnx_adaptive_value_and_grad(loss)
+
+    @nnx.jit
+    def grads(s):
+        lv, g, stats = vg(s, net, x)
+        return lv, nnx.as_pure(g), stats
+
+    return Case(grads, state, params, lambda: nnx.as_pure(nnx.grad(loss)(net, x)))
+
+
+# ------------------------------------------------------------------------------ checks
+
+
+def _scales(case, seed):
+    rng = np.random.default_rng(seed)
+    return {g: int(rng.integers(2, 14)) for g in case.state.groups}
+
+
+def assert_same_measurements(a, b, what):
+    """Decoded statistics equal to the statistic's resolution; gradients to rounding."""
+    (la, ga, sa), (lb, gb, sb) = a, b
+    assert list(sa.amax) == list(sb.amax), what
+    for g in sa.amax:
+        x, y = float(sa.amax[g]), float(sb.amax[g])
+        assert (x == y == 0) or abs(np.log2(x) - np.log2(y)) < 2**-6, (what, g, x, y)
+        assert bool(sa.bad[g]) == bool(sb.bad[g]), (what, g)
+    assert bool(sa.nonfinite) == bool(sb.nonfinite)
+    np.testing.assert_allclose(la, lb, rtol=1e-3)
+    for u, v in zip(jax.tree_util.tree_leaves(ga), jax.tree_util.tree_leaves(gb)):
+        u, v = np.asarray(u, np.float32), np.asarray(v, np.float32)
+        np.testing.assert_allclose(u, v, rtol=2e-2, atol=2e-2 * float(np.max(np.abs(v)) + 1e-30),
+                                   err_msg=str(what))
+
+
+def _run(case, log2):
+    state = case.state.with_log2_scales(log2)
+    return jax.device_get(case.grads(state))
+
+
+PROPERTY = settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+@PROPERTY
+@given(front_end=st.sampled_from(FRONT_ENDS), around=st.sampled_from(AROUND),
+       inside=st.sampled_from(INSIDE), groups=st.sampled_from(["module", "global"]),
+       seed=st.integers(0, 2**16))
+def test_transformed_model_measures_what_its_untransformed_twin_measures(
+        front_end, around, inside, groups, seed):
+    scaler = alj.adaptive(groups=groups)
+    plain = build(front_end, "none", "none", jnp.float16, scaler)
+    transformed = build(front_end, around, inside, jnp.float16, scaler)
+    log2 = _scales(plain, seed)
+    assert_same_measurements(_run(transformed, log2), _run(plain, log2),
+                             (front_end, around, inside, groups))
+
+
+@PROPERTY
+@given(front_end=st.sampled_from(FRONT_ENDS), around=st.sampled_from(AROUND),
+       inside=st.sampled_from(INSIDE), seed=st.integers(0, 2**16))
+def test_fp32_gradients_exact_under_arbitrary_per_group_scales(front_end, around, inside,
+                                                                 seed):
+    scaler = alj.adaptive(groups="module")
+    case = build(front_end, around, inside, jnp.float32, scaler)
+    rng = np.random.default_rng(seed)
+    log2 = {g: int(rng.integers(-8, 16)) for g in case.state.groups}
+    _, scaled, stats = _run(case, log2)
+    used = {g: float(v) for g, v in stats.log2_scales.items()}
+    assert len(set(used.values())) > 1  # the groups really run at different scales
+    leaves, treedef = jax.tree_util.tree_flatten(scaled)
+    groups = [alj._adaptive.leaf_group(p, set(used), scaler)
+              for p in alj._tree.leaf_paths(scaled)]
+    unscaled = [np.asarray(x, np.float32) * 2.0 ** -used[g] for x, g in zip(leaves, groups)]
+    assert_fp32_trees_close(jax.tree_util.tree_unflatten(treedef, unscaled), case.reference())
+
+
+@pytest.mark.parametrize("groups", ["module", "global"])
+def test_per_example_vmap_at_batch_256_measures_the_batched_amax(groups):
+    """The Equinox idiom ``jax.vmap(model)(x)`` with a mean loss: 256 copies of one row
+    make every cotangent 256 times (8 binades) smaller than one row alone, and that is
+    what each group measures, not the sum of 256 per-example maxima."""
+    import equinox as eqx
+
+    from adaloss_jax.equinox import eqx_adaptive_value_and_grad
+
+    mlp = eqx.nn.MLP(D, 4, 16, 2, key=jax.random.key(0), dtype=jnp.float16)
+    per_example = lambda m, x: jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2)
+    scaler = alj.adaptive(groups=groups)
+    state = alj.adaptive_unscale(scaler).init(eqx.filter(mlp, eqx.is_inexact_array))
+    state = state.with_log2_scales(dict.fromkeys(state.groups, 14))
+    grads = eqx.filter_jit(eqx_adaptive_value_and_grad(per_example))
+    row = jnp.asarray(np.random.default_rng(1).normal(size=(1, D)), jnp.float16)
+    one = grads(state, mlp, row)[2].amax
+    many = grads(state, mlp, jnp.repeat(row, 256, axis=0))[2].amax
+    for g in one:
+        drop = np.log2(float(one[g])) - np.log2(float(many[g]))
+        assert abs(drop - 8) < 0.05, (g, drop)
+
+
+def test_scanned_stack_equals_its_unrolled_twin():
+    """Stacked layers run by ``lax.scan`` (one scale group for the stack) and the same
+    layers unrolled: in global mode the same statistics; in fp32 under arbitrary scales,
+    exact gradients both ways."""
+    layer = alj.scale_group("stack")(lambda p, h: jnp.tanh(h @ p["w"].astype(h.dtype)))
+    w = jax.random.normal(jax.random.key(0), (4, D, D)) / D**0.5
+    params = {"stack": {"w": w}}
+
+    def scanned(dtype):
+        def loss(p, x):
+            h, _ = jax.lax.scan(lambda h, w: (layer({"w": w}, h), None), x.astype(dtype),
+                                p["stack"]["w"])
+            return jnp.mean(h.astype(jnp.float32) ** 2)
+        return loss
+
+    def unrolled(dtype):
+        def loss(p, x):
+            h = x.astype(dtype)
+            for i in range(4):
+                h = layer({"w": p["stack"]["w"][i]}, h)
+            return jnp.mean(h.astype(jnp.float32) ** 2)
+        return loss
+
+    x = _x(jnp.float32)
+    glob = alj.adaptive(groups="global")
+    state = alj.adaptive_unscale(glob).init(params).with_log2_scales({"": 12})
+    run = lambda f: jax.jit(alj.adaptive_value_and_grad(f))(state, params, x)
+    assert_same_measurements(run(scanned(jnp.float16)), run(unrolled(jnp.float16)), "scan")
+    module = alj.adaptive(groups="module")
+    state = alj.adaptive_unscale(module).init(params).with_log2_scales({"": 9, "stack": -5})
+    for f in (scanned, unrolled):
+        _, g, _ = jax.jit(alj.adaptive_value_and_grad(f(jnp.float32)))(state, params, x)
+        assert_fp32_trees_close(jax.tree_util.tree_map(lambda a: a * 2.0**5, g),
+                                jax.grad(f(jnp.float32))(params, x))

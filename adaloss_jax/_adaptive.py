@@ -242,7 +242,7 @@ def adaptive_value_and_grad(
                 f"the loss calls scale groups {missing[:5]} that the optimizer state does not "
                 f"know (state groups: {list(state.groups)[:8]}); build the state with "
                 f"tx.init on the parameters this loss is given")
-        log2 = _apply.scalars(state.log2_scales, groups)
+        log2 = {g: state.log2_scales[g] for g in groups}
         sigma, ratios = _apply.anchor_scales(log2, program.pairs())
         sites = program.sites()
         dummies = [jnp.zeros((*s.lead, program.columns.width), jnp.float32) for s in sites]
@@ -259,8 +259,7 @@ def adaptive_value_and_grad(
             scaled, argnums=(0, 1), has_aux=True)(rec.dynamic[:rec.n_params], dummies)
         grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), g_values)
         rows = [_channel.reduce_rows(r, range(len(s.lead))) for r, s in zip(rows, sites)]
-        stats = _channel.decode([s.row for s in sites], rows, groups,
-                                jnp.stack([log2[g] for g in groups]), sigma,
+        stats = _channel.decode([s.row for s in sites], rows, groups, log2, sigma,
                                 program.columns, scaler.format.max)
         stats = dataclasses.replace(stats, fingerprint=fingerprint(params))
         return ((loss, aux) if has_aux else loss), grads, stats
@@ -319,7 +318,7 @@ def _unscale(updates, stats: ScaleStats, scaler: AdaptiveScale, state: AdaptiveS
     active = stats.log2_scales.names
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     leaf_groups = [leaf_group(p, set(active), scaler) for p in _tree.leaf_paths(updates)]
-    used = _apply.scalars(stats.log2_scales, active)
+    used = dict(stats.log2_scales)
     inv = {g: _formats.pow2(-used[g]) for g in sorted(set(leaf_groups), key=_tree.natural)}
     out, leaf_max = [], []
     for g, leaf in zip(leaf_groups, leaves):

@@ -270,19 +270,3 @@ def anchor_scales(log2: dict, pairs: Sequence[tuple]) -> tuple[dict, dict]:
     scale = {a: _formats.pow2(sigma[a]) for a in converted}
     ratios = {(x, y): scale[x] / scale[y] for x, y in pairs if x != y}
     return sigma, ratios
-
-
-def scalars(vector, names: Sequence[str]) -> dict:
-    """``{name: vector[name]}`` for a :class:`~adaloss_jax.GroupVector`, each a value of
-    its own in the compiled program.
-
-    The scales are held as one vector, but the backward pass reads them one by one: a
-    slice at a constant index fused into each reading kernel would make every kernel
-    different (one per layer, each compiled); behind an optimisation barrier the slices
-    are computed once and the kernels read them as separate buffers.
-    """
-    names = tuple(names)
-    if not names:
-        return {}
-    parts = jax.lax.optimization_barrier(tuple(vector[g] for g in names))
-    return dict(zip(names, parts))

@@ -225,7 +225,7 @@ def _shift_hist(hist: jax.Array, k) -> jax.Array:
 
 
 def decode(rows: Sequence[Row], values: Sequence[jax.Array], groups: Sequence[str],
-           log2: jax.Array, sigma: dict, columns: Columns, fmt_max: float) -> ScaleStats:
+           log2: dict, sigma: dict, columns: Columns, fmt_max: float) -> ScaleStats:
     """Rows -> per-group statistics, each at its group's scale.
 
     A row counts for every group anchoring either of its sides, shifted to that group's
@@ -238,8 +238,8 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], groups: Sequence[st
     Args:
       rows: the static description of each row, in the order of ``values``.
       values: each row's array (stacked rows already reduced: :func:`reduce_rows`).
-      groups: the groups in use, in the order of ``log2``.
-      log2: their log2 scales (a vector).
+      groups: the groups in use.
+      log2: ``{group: log2 scale}`` of each.
       sigma: ``{anchor set: log2 scale}`` of every anchor set of ``rows``.
       columns: the row layout.
       fmt_max: the largest finite value of the scaler's format.
@@ -248,13 +248,15 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], groups: Sequence[st
     model's size.
     """
     groups = tuple(groups)
+    used = GroupVector(groups, [log2[g] for g in groups], split=True)
+    log2 = used.array
     gi = {g: i for i, g in enumerate(groups)}
     ng = len(groups)
     z = jnp.zeros((ng,), jnp.float32)
     vec = lambda v: GroupVector(groups, v)
     gaussian, quantile = columns.sumsq, columns.hist_lo is not None
     if not rows:
-        return ScaleStats(vec(log2), vec(z), vec(z > 0), jnp.asarray(False),
+        return ScaleStats(used, vec(z), vec(z > 0), jnp.asarray(False),
                           sumsq=vec(z) if gaussian else None, count=vec(z) if gaussian else None,
                           hist=vec(jnp.zeros((NBINS, ng), jnp.float32)) if quantile else None)
     sets = sorted({r.y for r in rows} | {r.x for r in rows})
@@ -303,5 +305,5 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], groups: Sequence[st
     p_grp = [gi[g] for s in sets for g in s]
     bad_v = jax.ops.segment_max(started[jnp.asarray(p_set)].astype(jnp.int32),
                                 jnp.asarray(p_grp), ng) > 0
-    return ScaleStats(vec(log2), vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
+    return ScaleStats(used, vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
                       sumsq=sumsq, count=count, hist=hist)

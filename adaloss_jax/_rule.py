@@ -136,13 +136,21 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     names = state.groups
     return AdaptiveScaleState(
         base=new_base,
-        log2_scales=GroupVector(names, new_log2),
+        log2_scales=GroupVector(names, _computed_once(new_log2), split=True),
         log2_amax=GroupVector(names, jnp.where(bad | hold, prev_amax, held).astype(jnp.float32)),
         overflowed=GroupVector(names, jnp.where(act, bad, state.overflowed.array)),
         health=health,
         scaler=cfg,
         fingerprint=state.fingerprint,
     )
+
+
+def _computed_once(v: jax.Array) -> jax.Array:
+    """``v``, computed once: each group's scale is an output of its own, and XLA would
+    copy the whole chain of ops that makes ``v`` into every output's kernel (one kernel
+    per group, each compiled). It does not copy a scatter into its readers."""
+    n = v.shape[-1]
+    return jnp.zeros_like(v).at[..., jnp.arange(n)].set(v, unique_indices=True)
 
 
 def _gaussian(sumsq, count, used, cfg) -> jax.Array:

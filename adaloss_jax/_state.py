@@ -25,32 +25,48 @@ HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
 
 
 class GroupVector(Mapping):
-    """One value per scale group, held as one array along its last axis: ``v["Dense_0"]``
-    reads a group's value and iteration gives the group names (a read-only ``Mapping``).
+    """One value per scale group: ``v["Dense_0"]`` reads a group's value, iteration gives
+    the group names (a read-only ``Mapping``) and ``v.array`` all values, the groups along
+    the last axis. States stacked by ``vmap`` or ``shard_map`` (leading axes) read the
+    same way.
 
-    A pytree with one leaf, ``array``; the names are static. States stacked by ``vmap`` or
-    ``shard_map`` (leading axes) read the same way.
+    A pytree whose leaves (``parts``) are the values, held as one array, or with
+    ``split=True`` as one array per group. The scales are held split: the backward pass
+    reads each group's scale on its own, and a value sliced out of a vector would make
+    every kernel that reads it a kernel of its own (one per layer, each compiled); the
+    other fields are read all at once and held as one array (one output of the step).
 
     >>> v = GroupVector(("", "Dense_0"), jnp.array([3.0, 5.0]))
     >>> float(v["Dense_0"]), list(v)
     (5.0, ['', 'Dense_0'])
+    >>> len(jax.tree_util.tree_leaves(GroupVector(v.names, v.array, split=True)))
+    2
     """
 
-    __slots__ = ("names", "array")
+    __slots__ = ("names", "parts", "split")
 
-    def __init__(self, names, array):
+    def __init__(self, names, array, *, split: bool = False):
         self.names = tuple(names)
-        self.array = array
+        self.split = split
+        if split and not isinstance(array, tuple | list):
+            array = tuple(array[..., i] for i in range(len(self.names)))
+        self.parts = tuple(array) if split else array
+
+    @property
+    def array(self) -> jax.Array:
+        """Every group's value, the groups along the last axis."""
+        return jnp.stack(self.parts, axis=-1) if self.split else self.parts
 
     def index(self, name: str) -> int:
-        """The position of group ``name`` along the array's last axis."""
+        """The position of group ``name`` along the last axis."""
         try:
             return self.names.index(name)
         except ValueError:
             raise KeyError(name) from None
 
     def __getitem__(self, name):
-        return self.array[..., self.index(name)]
+        i = self.index(name)
+        return self.parts[i] if self.split else self.parts[..., i]
 
     def __iter__(self):
         return iter(self.names)
@@ -62,11 +78,18 @@ class GroupVector(Mapping):
         return f"GroupVector(names={self.names!r}, array={self.array!r})"
 
 
+def _flatten(v):
+    if v.split:
+        return tuple((jax.tree_util.DictKey(g), x) for g, x in zip(v.names, v.parts)), (
+            v.names, True)
+    return ((jax.tree_util.GetAttrKey("array"), v.parts),), (v.names, False)
+
+
 jax.tree_util.register_pytree_with_keys(
-    GroupVector,
-    lambda v: (((jax.tree_util.GetAttrKey("array"), v.array),), v.names),
-    lambda names, children: GroupVector(names, children[0]),
-    flatten_func=lambda v: ((v.array,), v.names),
+    GroupVector, _flatten,
+    lambda aux, children: GroupVector(aux[0], tuple(children) if aux[1] else children[0],
+                                      split=aux[1]),
+    flatten_func=lambda v: ((v.parts if v.split else (v.parts,)), (v.names, v.split)),
 )
 
 
@@ -101,7 +124,7 @@ class AdaptiveScaleState:
         one the loss is multiplied by), and its counters count applied and skipped steps
         as the global scalers' do. Its fields read on this state too
         (``state.loss_scale``, ``state.last_applied``, ``state.total_applied``, ...).
-      log2_scales: :class:`GroupVector` of fp32, ``log2`` of each group's scale.
+      log2_scales: :class:`GroupVector` of fp32 scalars, ``log2`` of each group's scale.
       log2_amax: :class:`GroupVector` of fp32, ``log2`` of the group's held amax peak at
         unit scale (``-inf`` before anything was measured).
       overflowed: :class:`GroupVector` of bool, whether the group overflowed at the last
@@ -145,11 +168,10 @@ class AdaptiveScaleState:
         if unknown:
             raise KeyError(f"no scale groups {unknown} in this state (groups: "
                            f"{list(self.groups)})")
-        arr = self.log2_scales.array
-        for g, v in log2.items():
-            arr = arr.at[..., self.groups.index(g)].set(jnp.float32(v))
-        return self.replace(log2_scales=GroupVector(self.groups, arr),
-                            base=self.base._replace(loss_scale=jnp.exp2(arr[..., 0])))
+        values = [jnp.asarray(log2[g], jnp.float32) if g in log2 else self.log2_scales[g]
+                  for g in self.groups]
+        return self.replace(log2_scales=GroupVector(self.groups, values, split=True),
+                            base=self.base._replace(loss_scale=jnp.exp2(values[0])))
 
     def __getattr__(self, name):
         # The counters read as on a global scaler's state: state.total_applied, ...
@@ -208,7 +230,7 @@ def initial_state(params: Any, scaler: AdaptiveScale, groups: list[str]) -> Adap
     s0 = jnp.log2(jnp.float32(scaler.initial_scale))
     return AdaptiveScaleState(
         base=base_state(scaler.initial_scale, 1),
-        log2_scales=GroupVector(groups, jnp.full((n,), s0, jnp.float32)),
+        log2_scales=GroupVector(groups, jnp.full((n,), s0, jnp.float32), split=True),
         log2_amax=GroupVector(groups, jnp.full((n,), -jnp.inf, jnp.float32)),
         overflowed=GroupVector(groups, jnp.zeros((n,), jnp.bool_)),
         health=jnp.zeros((), jnp.int32),

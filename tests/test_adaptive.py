@@ -659,7 +659,7 @@ def test_scale_summary_is_plain_data():
     assert lo <= med <= hi and lo == min(v for g, v in groups.items() if g)
 
 
-def test_group_vector_reads_as_a_mapping_and_is_one_leaf():
+def test_group_vector_reads_as_a_mapping():
     """The per-group statistics of the state are one array each (one output of the
     compiled step, not one per group), read by group name."""
     v = alj.GroupVector(("", "a", "b"), jnp.array([1.0, 2.0, 3.0]))
@@ -678,10 +678,13 @@ def test_group_vector_reads_as_a_mapping_and_is_one_leaf():
     _, state, _ = step(state, params, *batch)
     ad = alj.scale_state(state)
     groups = alj.param_groups(params, scaler)
-    for field in (ad.log2_scales, ad.log2_amax, ad.overflowed):
+    for field in (ad.log2_amax, ad.overflowed):  # read all at once: one array
         assert isinstance(field, alj.GroupVector) and list(field) == groups
         (leaf,) = jax.tree_util.tree_leaves(field)
         assert leaf.shape == (len(groups),)
+    # The scales are read one by one in the backward pass: one scalar leaf per group.
+    assert list(ad.log2_scales) == groups and ad.log2_scales.array.shape == (len(groups),)
+    assert [x.shape for x in jax.tree_util.tree_leaves(ad.log2_scales)] == [()] * len(groups)
     assert all(np.isfinite(float(ad.log2_amax[g])) for g in groups if g)
     assert not any(bool(b) for b in ad.overflowed.values())
 

@@ -98,12 +98,12 @@ class Program:
                 kind = self.reader.kind(eqn)
                 if kind == _jaxpr.POINT:
                     out += self._point_sites(eqn)
-                elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.SHARD_MAP, _jaxpr.COND):
+                elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.COND):
                     for sub in _jaxpr.subprograms(eqn):
                         out += self._sites_of(sub.jaxpr)
-                elif kind == _jaxpr.SCAN:
-                    length = eqn.params["length"]
-                    out += [s._replace(lead=(length, *s.lead))
+                elif kind in (_jaxpr.SCAN, _jaxpr.SHARD_MAP):  # a row per iteration, device
+                    n = eqn.params["length"] if kind == _jaxpr.SCAN else _devices(eqn.params)
+                    out += [s._replace(lead=(n, *s.lead))
                             for s in self._sites_of(_jaxpr.subprograms(eqn)[0].jaxpr)]
             self._memo[key] = (out, jaxpr)
         return self._memo[key][0]
@@ -173,8 +173,8 @@ class Program:
         outs = list(ins)
         for site, dummy in zip(sites, dummies):
             ratio = ratios[site.pair] if site.cfg.convert else jnp.float32(1.0)
-            ys = _channel.scale_point(site.cfg, tuple(ins[i] for i in site.members),
-                                      ratio, dummy)
+            cfg = site.cfg._replace(dummy_axes=_channel.varying_axes(dummy))
+            ys = _channel.scale_point(cfg, tuple(ins[i] for i in site.members), ratio, dummy)
             for i, y in zip(site.members, ys):
                 outs[i] = y
         return outs
@@ -201,13 +201,28 @@ class Program:
         if kind == _jaxpr.COND:
             return jax.lax.switch(ins[0], [body(i) for i in range(len(subs))], *ins[1:])
         if kind == _jaxpr.SHARD_MAP:
-            axes = p.get("newly_manual_axes", p.get("manual_axes", frozenset()))
-            f = body(0)
-            return jax.shard_map(lambda *a: tuple(f(*a)), mesh=p["mesh"],
-                                 in_specs=p["in_specs"], out_specs=p["out_specs"],
-                                 check_vma=p["check_vma"], axis_names=set(axes))(*ins)
+            return self._shard_map(p, ins, subs[0], blocks[0], ratios)
         assert kind == _jaxpr.SCAN, kind
         return self._scan(p, ins, subs[0], blocks[0], ratios)
+
+    def _shard_map(self, p, ins, sub, block, ratios) -> list:
+        """Rebuilt with the same specs; each row's dummy enters split over the devices
+        (one row per device), so no transpose sums rows, whatever ``check_vma``."""
+        axes = tuple(sorted(_manual_axes(p)))
+        spec = jax.sharding.PartitionSpec(axes)
+        mesh = p["mesh"]
+        if any(str(mesh.axis_types[mesh.axis_names.index(a)]).endswith("Explicit")
+               for a in axes):
+            block = [jax.reshard(d, jax.sharding.NamedSharding(mesh, spec)) for d in block]
+        n = len(ins)
+
+        def body(*args):
+            rows = [d[0] for d in args[n:]]
+            return tuple(self._eval(sub.jaxpr, sub.consts, list(args[:n]), rows, ratios))
+
+        return jax.shard_map(body, mesh=mesh, in_specs=(*p["in_specs"], *[spec] * len(block)),
+                             out_specs=p["out_specs"], check_vma=p["check_vma"],
+                             axis_names=set(axes))(*ins, *block)
 
     def _scan(self, p, ins, sub, block, ratios) -> list:
         nc, ncar = p["num_consts"], p["num_carry"]
@@ -222,6 +237,19 @@ class Program:
         carry, ys = jax.lax.scan(step, list(init), (list(xs), list(block)),
                                  length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
         return [*carry, *ys]
+
+
+def _manual_axes(params) -> frozenset:
+    return frozenset(params.get("newly_manual_axes", params.get("manual_axes", ())))
+
+
+def _devices(params) -> int:
+    """How many devices a ``shard_map`` equation maps over."""
+    shape = dict(zip(params["mesh"].axis_names, params["mesh"].axis_sizes))
+    n = 1
+    for a in _manual_axes(params):
+        n *= shape[a]
+    return n
 
 
 def _eval_run(run: list, env: dict, read) -> None:

@@ -16,8 +16,9 @@ region on its consumer side. A row leaves the backward pass as the cotangent of 
              statistic="quantile" only)                              sum
 
 A point met several times gets a row per meeting, never a sum of rows: a point inside
-a scan gets a stacked dummy, one row per iteration (:mod:`adaloss_jax._apply`), a point
-inside a vmap measures the whole batched cotangent, and a point under ``shard_map``
+a scan gets a stacked dummy, one row per iteration, and a point inside a ``shard_map``
+of the loss one row per device (:mod:`adaloss_jax._apply`); a point inside a vmap
+measures the whole batched cotangent; a point in a step that a ``shard_map`` maps
 reduces its row over the devices as the table says. :func:`reduce_rows` is that one
 reduction, and :func:`decode` turns the rows into per-group :class:`ScaleStats`.
 Nothing else reads a row's columns.
@@ -83,6 +84,7 @@ class PointConfig(NamedTuple):
     y_max: float  # largest finite value where the cotangent arrives (its storage format)
     x_max: float  # the same after the conversion (the simulated format where it rounds)
     simulate: Any = None  # a dtype to round converted cotangents to (fp8 simulation)
+    dummy_axes: frozenset = frozenset()  # mapped axes the dummy itself varies over
 
 
 def _binade_hist(cts: tuple[jax.Array, ...], lo: int) -> jax.Array:
@@ -152,13 +154,21 @@ def _varying_axes(x) -> set:
     return set(getattr(aval, "vma", ()) or ())
 
 
-def _over_devices(row: jax.Array, cts: tuple) -> jax.Array:
+def varying_axes(x) -> frozenset:
+    """The mapped axes (``shard_map``) a value varies over, by its type."""
+    return frozenset(_varying_axes(x))
+
+
+def _over_devices(row: jax.Array, cts: tuple, dummy_axes: frozenset) -> jax.Array:
     """Under ``shard_map`` a cotangent may vary over mapped axes while its dummy does
-    not; the row is reduced over those axes here (the row's own reduction, by
-    collectives), so it is global, as under SPMD ``jit``."""
+    not (a dummy made inside the map: the map is around the whole step); the row is
+    reduced over those axes here (the row's own reduction, by collectives), so it is
+    global, as under SPMD ``jit``. Over the axes the dummy varies over too (a dummy
+    passed into a map inside the loss: one row per device) nothing is reduced here."""
     axes = set()
     for c in cts:
         axes |= _varying_axes(c)
+    axes -= dummy_axes
     if not axes:
         return row
     axes = tuple(sorted(axes))
@@ -188,7 +198,8 @@ def _scale_point_bwd(cfg, ratio, cts):
         out = tuple(_formats.round_to(c, cfg.simulate) for c in out)
     if not cfg.measure:
         return out, jnp.zeros_like(ratio), None
-    return out, jnp.zeros_like(ratio), _over_devices(measure(cts, ratio, cfg), cts)
+    return out, jnp.zeros_like(ratio), _over_devices(measure(cts, ratio, cfg), cts,
+                                                      cfg.dummy_axes)
 
 
 scale_point.defvjp(_scale_point_fwd, _scale_point_bwd)

@@ -46,7 +46,7 @@ class AdaptiveScale:
     ``min_loss_scale``      ``2**-24``        lower bound of every scale (a power of two)
     ``max_loss_scale``      ``2**64``         upper bound of every scale (a power of two)
     ``factor``              ``16.0``          back-off factor of a group that overflowed
-    ``max_rise``            log2(``factor``)  binades: a step whose statistics call for a
+    ``max_rise``            log2(factor) + 1  binades: a step whose statistics call for a
                                               scale this much higher is not applied
     ``max_consecutive_skips`` ``16``          skipped steps in a row before ``health`` flags
     ``max_depth``           ``None``          scale points only around modules this deep
@@ -85,8 +85,9 @@ class AdaptiveScale:
       max_rise: a step whose own statistics call for a scale more than ``max_rise``
         binades above the one a group's gradients were computed at (the first step at
         ``initial_scale``, a step after more than one backoff) is skipped: the scales
-        move, and the next step is computed at them. ``None``: ``log2(factor)``, so the
-        step after a single backoff is applied.
+        move, and the next step is computed at them. ``None``: ``log2(factor) + 1``: the
+        step after a single backoff (back by ``log2(factor)``, plus a binade the
+        statistics may have moved) is applied.
       max_consecutive_skips: ``K``: after ``K`` skipped steps in a row ``health`` says so.
       max_depth: scale points go only around calls of modules nested at most this deep
         (``"Block_0"`` is at depth 1, ``"Block_0/attn"`` at 2); a deeper module's
@@ -152,7 +153,7 @@ class AdaptiveScale:
                 f"an initial_scale inside the bounds")
         _validation.check_growth_factor("factor", self.factor)
         if self.max_rise is None:
-            object.__setattr__(self, "max_rise", self.backoff)
+            object.__setattr__(self, "max_rise", self.backoff + 1)
         _validation.check_int("max_rise", self.max_rise, minimum=0)
         _validation.check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
         _validation.check_bool("simulate", self.simulate)

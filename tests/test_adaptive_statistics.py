@@ -208,7 +208,7 @@ def test_options_are_validated():
         alj.adaptive(factor=1.0)
     with pytest.raises(ValueError, match="max_rise"):
         alj.adaptive(max_rise=-1)
-    assert alj.adaptive(factor=2.0**6).max_rise == 6  # the step after one backoff applies
+    assert alj.adaptive(factor=2.0**6).max_rise == 7  # the step after one backoff applies
     with pytest.raises(TypeError):
         alj.adaptive("amax")  # keyword-only
     with pytest.raises(ValueError, match="quantile"):

@@ -108,6 +108,26 @@ def test_state_statistics_or_gradients_of_another_model_are_refused():
     tx.update(grads, state, params, loss=loss, scale_stats=stats)  # the right ones pass
 
 
+def test_the_scaler_is_given_once_and_a_mismatch_cannot_train():
+    """The gradient function reads the scaler from the optimizer state, so it cannot use
+    another; an optimizer built with one scaler refuses a state built with another (at
+    trace time), and a scaler passed where the state goes is named."""
+    params, loss_fn, x, y = _setup()
+    per_module = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module"))
+    glob = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive())
+    state = per_module.init(params)
+    one = jnp.float32(1.0)
+    loss, grads, stats = jax.jit(alj.adaptive_value_and_grad(loss_fn))(state, params, x, y, one)
+    assert len(stats.amax) > 1  # per-module: the state's scaler, the only one given
+    with pytest.raises(ValueError, match="built with .*re-run tx.init"):
+        glob.update(grads, state, params, loss=loss, scale_stats=stats)
+    with pytest.raises(TypeError):
+        alj.adaptive_value_and_grad(loss_fn, alj.adaptive())  # the scaler goes to tx only
+    with pytest.raises(ValueError, match="global scaler's state"):
+        alj.adaptive_value_and_grad(loss_fn)(alj.loss_scaled(optax.sgd(0.1), alj.dynamic())
+                                             .init(params), params, x, y, one)
+
+
 def test_stock_flax_train_state_fails_with_an_error_naming_the_fix():
     from flax.training import train_state
 

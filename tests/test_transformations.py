@@ -2,7 +2,8 @@
 transformed loss measures what its untransformed twin measures and gets its gradients.
 
 A random composition is drawn: one transformation around the model (a per-example
-``vmap``, ``jax.checkpoint``, ``jax.jit``, ``lax.cond``) and one inside it, around each
+``vmap``, ``jax.checkpoint``, ``jax.jit``, ``lax.cond``, ``shard_map`` over 2 devices with
+and without ``check_vma``) and one inside it, around each
 layer's call (the same, in each framework's own spelling: ``nn.remat``, ``nnx.jit``,
 ...). The untransformed twin is the same model with neither: for a per-example ``vmap``,
 the batched model. At the same per-group scales:
@@ -34,13 +35,18 @@ from hypothesis import strategies as st
 import adaloss_jax as alj
 
 D, B, L = 8, 6, 3
-AROUND = ("none", "vmap", "remat", "jit", "cond")
+AROUND = ("none", "vmap", "remat", "jit", "cond", "shard_map", "shard_map_untyped")
 INSIDE = ("none", "remat", "jit", "cond", "vmap")
 FRONT_ENDS = ("jax", "equinox", "linen", "nnx")
 
 
 def _x(dtype):
     return jnp.asarray(np.random.default_rng(0).normal(size=(B, D)), dtype)
+
+
+def _mesh():
+    return jax.make_mesh((2,), ("data",), devices=jax.devices()[:2],
+                         axis_types=(jax.sharding.AxisType.Auto,))
 
 
 def _around(kind, model_fn):
@@ -53,6 +59,11 @@ def _around(kind, model_fn):
         return jax.checkpoint(model_fn)
     if kind == "jit":
         return jax.jit(model_fn)
+    if kind.startswith("shard_map"):  # the batch split over 2 devices, parameters replicated
+        from jax.sharding import PartitionSpec as P
+
+        return jax.shard_map(model_fn, mesh=_mesh(), in_specs=P("data"), out_specs=P("data"),
+                             check_vma=kind == "shard_map")
     assert kind == "cond"
     return lambda x: jax.lax.cond(jnp.sum(x) > -1e9, model_fn, lambda x: model_fn(x * 0.5), x)
 
@@ -84,6 +95,11 @@ def _nnx_around(kind, model, x):
         return nnx.remat(call)(model, x)
     if kind == "jit":
         return nnx.jit(call)(model, x)
+    if kind.startswith("shard_map"):
+        from jax.sharding import PartitionSpec as P
+
+        return nnx.shard_map(call, mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P("data"),
+                             check_vma=kind == "shard_map")(model, x)
     return nnx.cond(jnp.sum(x) > -1e9, call, lambda m, x: m(x * 0.5), model, x)
 
 
@@ -342,37 +358,40 @@ def test_per_example_vmap_at_batch_256_measures_the_batched_amax(groups):
         assert abs(drop - 8) < 0.05, (g, drop)
 
 
+def scan_twins(dtype):
+    """Parameters of 4 stacked layers (one group, ``stack``), and two losses: the layers
+    run by ``lax.scan`` and the same layers unrolled."""
+    layer = alj.scale_group("stack")(lambda p, h: jnp.tanh(h @ p["w"].astype(h.dtype)))
+    params = {"stack": {"w": jax.random.normal(jax.random.key(0), (4, D, D)) / D**0.5}}
+
+    def scanned(p, x):
+        h, _ = jax.lax.scan(lambda h, w: (layer({"w": w}, h), None), x.astype(dtype),
+                            p["stack"]["w"])
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    def unrolled(p, x):
+        h = x.astype(dtype)
+        for i in range(4):
+            h = layer({"w": p["stack"]["w"][i]}, h)
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    return params, scanned, unrolled
+
+
 def test_scanned_stack_equals_its_unrolled_twin():
     """Stacked layers run by ``lax.scan`` (one scale group for the stack) and the same
     layers unrolled: in global mode the same statistics; in fp32 under arbitrary scales,
     exact gradients both ways."""
-    layer = alj.scale_group("stack")(lambda p, h: jnp.tanh(h @ p["w"].astype(h.dtype)))
-    w = jax.random.normal(jax.random.key(0), (4, D, D)) / D**0.5
-    params = {"stack": {"w": w}}
-
-    def scanned(dtype):
-        def loss(p, x):
-            h, _ = jax.lax.scan(lambda h, w: (layer({"w": w}, h), None), x.astype(dtype),
-                                p["stack"]["w"])
-            return jnp.mean(h.astype(jnp.float32) ** 2)
-        return loss
-
-    def unrolled(dtype):
-        def loss(p, x):
-            h = x.astype(dtype)
-            for i in range(4):
-                h = layer({"w": p["stack"]["w"][i]}, h)
-            return jnp.mean(h.astype(jnp.float32) ** 2)
-        return loss
-
     x = _x(jnp.float32)
+    params, scanned, unrolled = scan_twins(jnp.float16)
     glob = alj.adaptive(groups="global")
     state = alj.adaptive_unscale(glob).init(params).with_log2_scales({"": 12})
     run = lambda f: jax.jit(alj.adaptive_value_and_grad(f))(state, params, x)
-    assert_same_measurements(run(scanned(jnp.float16)), run(unrolled(jnp.float16)), "scan")
+    assert_same_measurements(run(scanned), run(unrolled), "scan")
+    params, scanned, unrolled = scan_twins(jnp.float32)
     module = alj.adaptive(groups="module")
     state = alj.adaptive_unscale(module).init(params).with_log2_scales({"": 9, "stack": -5})
     for f in (scanned, unrolled):
-        _, g, _ = jax.jit(alj.adaptive_value_and_grad(f(jnp.float32)))(state, params, x)
+        _, g, _ = jax.jit(alj.adaptive_value_and_grad(f))(state, params, x)
         assert_fp32_trees_close(jax.tree_util.tree_map(lambda a: a * 2.0**5, g),
-                                jax.grad(f(jnp.float32))(params, x))
+                                jax.grad(f)(params, x))

@@ -1,0 +1,151 @@
+"""Break the library on purpose and check that the tests notice (issue 22).
+
+Each mutation is one textual change to a copy of the repository; the tests named with it
+run on that copy and must fail. A mutation the tests miss is reported as ``SURVIVED``.
+
+Usage::
+
+    python benchmarks/mutations.py              # every mutation (about 15 minutes)
+    python benchmarks/mutations.py --only max-as-sum,axis-name-ignored
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+# name: (file, text, replacement, tests that must fail, what it breaks)
+MUTATIONS = {
+    "max-as-sum": (
+        "adaloss_jax/_channel.py",
+        "jnp.concatenate([jnp.max(rows[..., :_MAXED], axis=axes),",
+        "jnp.concatenate([jnp.sum(rows[..., :_MAXED], axis=axes),",
+        ["tests/test_transformations.py", "tests/test_channel.py"],
+        "a point met in several passes sums its maxima instead of taking their max"),
+    "device-reduction-dropped": (
+        "adaloss_jax/_channel.py",
+        "    if not axes:\n        return row\n    axes = tuple(sorted(axes))",
+        "    if True:\n        return row\n    axes = tuple(sorted(axes))",
+        ["tests/test_adaptive_distributed.py", "tests/test_transformations.py"],
+        "statistics under shard_map are not reduced over the devices"),
+    "axis-name-ignored": (
+        "adaloss_jax/_adaptive.py",
+        "    return x if axis_name is None or x is None else op(x, axis_name)",
+        "    return x",
+        ["tests/test_adaptive_distributed.py"],
+        "adaptive_unscale ignores axis_name"),
+    "wrong-scale-on-one-group": (
+        "adaloss_jax/_adaptive.py",
+        "        out.append(x * inv[g])",
+        "        out.append(x * inv[g] * (1.0625 if g == leaf_groups[-1] else 1.0))",
+        ["tests/test_transformations.py", "tests/test_equinox.py"],
+        "one group's gradients unscaled by a wrong factor"),
+    "every-module-gradient-off": (
+        "adaloss_jax/_adaptive.py",
+        "        out.append(x * inv[g])",
+        "        out.append(x * inv[g] * (1.0625 if g else 1.0))",
+        ["tests/test_equinox.py", "tests/test_pure_jax_property.py"],
+        "every per-module gradient multiplied by 1.0625 (issue 22's Equinox case)"),
+    "wrong-ratio": (
+        "adaloss_jax/_apply.py",
+        "    ratios = {(x, y): scale[x] / scale[y] for x, y in pairs if x != y}",
+        "    ratios = {(x, y): scale[x] / scale[y] * 2.0 for x, y in pairs if x != y}",
+        ["tests/test_transformations.py"],
+        "every conversion by twice the ratio of its two scales"),
+    "underscaled-step-applied": (
+        "adaloss_jax/_rule.py",
+        "    underscaled = jnp.any(rise > cfg.max_rise)",
+        "    underscaled = jnp.any(rise > 1000)",
+        ["tests/test_rule.py", "tests/test_adaptive.py"],
+        "a step far below its statistics' scale is applied"),
+    "skip-unless-every-group-measured": (
+        "adaloss_jax/_rule.py",
+        "    measured = jnp.any(act & (amax > 0))",
+        "    measured = jnp.all(~act | (amax > 0))",
+        ["tests/test_adaptive.py", "tests/test_rule.py"],
+        "only steps where every group measured something are applied (issue 22)"),
+    "backoff-ignored": (
+        "adaloss_jax/_rule.py",
+        "    nxt = jnp.where(bad, log2 - drop, jnp.where(amax > 0, target, grown))",
+        "    nxt = jnp.where(amax > 0, target, grown)",
+        ["tests/test_rule.py"],
+        "a group where an overflow started does not back off"),
+    "scan-rows-summed": (
+        "adaloss_jax/_apply.py",
+        "                    out += [s._replace(lead=(length, *s.lead))\n"
+        "                            for s in self._sites_of(_jaxpr.subprograms(eqn)[0].jaxpr)]",
+        "                    out += self._sites_of(_jaxpr.subprograms(eqn)[0].jaxpr)",
+        ["tests/test_transformations.py"],
+        "a point inside a scan gets one dummy for all iterations (JAX sums them)"),
+    "parameters-measured": (
+        "adaloss_jax/_stream.py",
+        "                passed = {i for i, (v, _) in enumerate(pairs) "
+        "if self._source(v) == _PARAMS}",
+        "                passed = set()",
+        ["tests/test_transformations.py", "tests/test_stream.py"],
+        "a parameter passed into a group as an argument is measured as a cotangent"),
+    "fan-in-unified-wrongly": (
+        "adaloss_jax/_stream.py",
+        "            for s in srcs:\n                cur |= anchors.get(s, set())",
+        "            for s in list(srcs)[:1]:\n                cur |= anchors.get(s, set())",
+        ["tests/test_adaptive.py", "tests/test_stream_property.py"],
+        "a fan-in region takes one consumer's scale instead of all of theirs"),
+    "scaler-mismatch-unchecked": (
+        "adaloss_jax/_adaptive.py",
+        "    if state.scaler != scaler:",
+        "    if False:",
+        ["tests/test_one_liner.py"],
+        "an optimizer state built with another scaler is accepted"),
+}
+
+
+def run(name: str, keep: bool) -> tuple[bool, float, str]:
+    path, old, new, tests, _ = MUTATIONS[name]
+    tmp = tempfile.mkdtemp(prefix=f"mut-{name}-")
+    try:
+        shutil.copytree(ROOT, os.path.join(tmp, "repo"),
+                        ignore=shutil.ignore_patterns(".git", "bench-results", "__pycache__",
+                                                      ".hypothesis", "_build"))
+        repo = os.path.join(tmp, "repo")
+        target = os.path.join(repo, path)
+        text = open(target).read()
+        if text.count(old) != 1:
+            return False, 0.0, f"the text to mutate occurs {text.count(old)} times in {path}"
+        open(target, "w").write(text.replace(old, new))
+        env = {**os.environ, "PYTHONPATH": repo}
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
+                               "-n", "2", *tests], cwd=repo, env=env, capture_output=True,
+                              text=True)
+        failed = [ln.split(" ")[1] for ln in proc.stdout.splitlines() if ln.startswith("FAILED")]
+        return proc.returncode != 0, time.perf_counter() - t0, (failed[0] if failed else
+                                                                proc.stdout.strip()[-200:])
+    finally:
+        if not keep:
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--only", default="", help="comma list of mutation names")
+    parser.add_argument("--keep", action="store_true", help="keep the mutated copies")
+    args = parser.parse_args(argv)
+    names = [n for n in args.only.split(",") if n] or list(MUTATIONS)
+    survived = 0
+    for name in names:
+        caught, seconds, detail = run(name, args.keep)
+        survived += not caught
+        print(f"{'caught' if caught else 'SURVIVED':<9} {name:<34} {seconds:5.0f} s  "
+              f"{MUTATIONS[name][4]}\n          first failing test: {detail}", flush=True)
+    return 1 if survived else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

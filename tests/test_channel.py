@@ -1,0 +1,87 @@
+"""The statistics channel on hand-written values: a row's columns, their reduction over
+passes, the scale point's conversion, and the decoding of rows into per-group
+statistics."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from adaloss_jax import _channel
+
+COLS = _channel.Columns(sumsq=True, hist_lo=-40)
+FP16 = 65504.0
+
+
+def _cfg(convert=False, x_max=FP16):
+    return _channel.PointConfig(COLS, convert=convert, measure=True, y_max=FP16, x_max=x_max)
+
+
+def test_a_row_holds_amax_flags_sums_and_a_histogram():
+    ct = jnp.asarray([0.5, -3.0, 0.0, 2.0**-20], jnp.float32)
+    row = np.asarray(_channel.measure((ct,), jnp.float32(1.0), _cfg()))
+    assert row.shape == (COLS.width,)
+    assert row[0] == 3.0 and row[1] == 0 and row[2] == 0
+    np.testing.assert_allclose(row[3], 0.25 + 9.0 + 2.0**-40)
+    assert row[4] == 4
+    hist = row[COLS.hist_start:]
+    assert hist.sum() == 3  # the non-zero elements, by binade
+    assert hist[-20 - -40] == 1 and hist[-1 - -40] == 1 and hist[1 - -40] == 1
+
+
+def test_overflow_flags_cover_the_value_and_its_conversion():
+    ct = jnp.asarray([60000.0], jnp.float32)
+    row = _channel.measure((ct,), jnp.float32(2.0), _cfg(convert=True))
+    assert float(row[1]) == 0 and float(row[2]) == 1  # fits, its conversion does not
+    row = _channel.measure((jnp.asarray([jnp.inf]),), jnp.float32(1.0), _cfg())
+    assert float(row[0]) == np.inf and float(row[1]) == 1
+
+
+def test_rows_of_several_passes_reduce_to_the_row_of_all_of_them():
+    """max for the maxima and flags, sum for the sums: the row of the concatenated
+    cotangent, whatever the split into passes."""
+    rng = np.random.default_rng(0)
+    parts = [jnp.asarray(rng.normal(size=7) * 2.0 ** rng.integers(-8, 8), jnp.float32)
+             for _ in range(5)]
+    stacked = jnp.stack([_channel.measure((p,), jnp.float32(1.0), _cfg()) for p in parts])
+    whole = _channel.measure((jnp.concatenate(parts),), jnp.float32(1.0), _cfg())
+    np.testing.assert_allclose(_channel.reduce_rows(stacked, (0,)), whole, rtol=1e-6)
+    assert np.array_equal(_channel.reduce_rows(whole, ()), whole)
+
+
+def test_the_scale_point_converts_exactly_and_hands_its_row_out():
+    x = jnp.asarray([1.0, -2.0], jnp.float16)
+
+    def f(x, dummy):
+        (y,) = _channel.scale_point(_cfg(convert=True), (x,), jnp.float32(0.25), dummy)
+        return jnp.sum(y.astype(jnp.float32) * jnp.asarray([3.0, 5.0]))
+
+    gx, row = jax.grad(f, argnums=(0, 1))(x, jnp.zeros((COLS.width,), jnp.float32))
+    np.testing.assert_array_equal(gx, jnp.asarray([0.75, 1.25], jnp.float16))
+    assert float(row[0]) == 5.0  # measured before the conversion, where it arrived
+
+
+def test_decode_attributes_rows_to_the_groups_of_both_sides():
+    """Row 0 arrived in a's region and goes to the root's: it counts for both, shifted to
+    each one's scale; row 1 (inside b, overflowing) blames b alone."""
+    cols = _channel.Columns(sumsq=False, hist_lo=None)
+    rows = [_channel.Row(y=("a",), x=("",), y_max=FP16, x_max=FP16),
+            _channel.Row(y=("b",), x=("b",), y_max=FP16, x_max=FP16)]
+    values = [jnp.asarray([8.0, 0.0, 0.0]), jnp.asarray([jnp.inf, 1.0, 1.0])]
+    log2 = {"": jnp.float32(2.0), "a": jnp.float32(5.0), "b": jnp.float32(0.0)}
+    sigma = {("",): log2[""], ("a",): log2["a"], ("b",): log2["b"]}
+    stats = _channel.decode(rows, values, ("", "a", "b"), log2, sigma, cols, FP16)
+    assert float(stats.amax["a"]) == 8.0
+    assert float(stats.amax[""]) == 8.0 * 2.0 ** (2 - 5)  # at the root's scale
+    assert float(stats.amax["b"]) == np.inf
+    assert [bool(stats.bad[g]) for g in ("", "a", "b")] == [False, False, True]
+    assert bool(stats.nonfinite)
+    assert float(stats.log2_scales["a"]) == 5.0
+
+
+@pytest.mark.parametrize("sumsq,hist", [(False, False), (True, False), (True, True)])
+def test_columns(sumsq, hist):
+    cols = _channel.Columns(sumsq=sumsq, hist_lo=-30 if hist else None)
+    assert cols.width == 3 + 2 * sumsq + _channel.NBINS * hist

@@ -25,34 +25,35 @@ class AdaptiveScale:
     Build it with ``adaloss_jax.adaptive(...)`` (this class) and give it to the optimizer;
     every option is keyword-only and checked here, so a bad value fails before any trace.
 
-    ======================= ================= ==============================================
-    option                  default           when to change it
-    ======================= ================= ==============================================
-    ``groups``              ``"global"``      ``"module"``: one scale per module that owns
-                                              parameters (fp8, deep stacks); ``"global"``:
-                                              one statistics-driven scale
-    ``grad_dtype``          ``"float16"``     the format cotangents are stored in (or
-                                              simulated in): ``"float8_e4m3fn"``, ...
-    ``simulate``            ``False``         round cotangents to ``grad_dtype`` where they
-                                              enter a module (fp8 simulation on fp16/fp32)
-    ``statistic``           ``"amax"``        ``"gaussian"`` (the reference's rule) or
-                                              ``"quantile"`` (exact underflow share)
-    ``threshold``           ``1e-3``          tolerated underflow share (gaussian, quantile)
-    ``margin``              4 (2 for fp8)     binades kept free below the format's max
-    ``decay``               1/16 (module)     binades a step the held amax peak sinks by;
-                            inf (global)      ``math.inf``: this step's amax alone
-    ``period``              ``1``             recompute scales every ``period`` applied steps
-    ``initial_scale``       ``1.0``           scale of every group before any statistics
-    ``min_loss_scale``      ``2**-24``        lower bound of every scale (a power of two)
-    ``max_loss_scale``      ``2**64``         upper bound of every scale (a power of two)
-    ``factor``              ``16.0``          back-off factor of a group that overflowed
-    ``max_rise``            log2(factor) + 1  binades: a step whose statistics call for a
-                                              scale this much higher is not applied
-    ``max_consecutive_skips`` ``16``          skipped steps in a row before ``health`` flags
-    ``max_depth``           ``None``          scale points only around modules this deep
-                                              (``1``: one scale per transformer block)
-    ``filter``              ``None``          ``(path, module) -> bool``: modules to scale
-    ======================= ================= ==============================================
+    ========================= ================= ==========================================
+    option                    default           when to change it
+    ========================= ================= ==========================================
+    ``groups``                ``"global"``      ``"module"``: one scale per module that
+                                                owns parameters (fp8, deep stacks)
+    ``grad_dtype``            ``"float16"``     the format cotangents are stored in (or
+                                                simulated in): ``"float8_e4m3fn"``, ...
+    ``simulate``              ``False``         round cotangents to ``grad_dtype`` where
+                                                they enter a module (fp8 simulation)
+    ``statistic``             ``"amax"``        ``"gaussian"`` (the reference's rule) or
+                                                ``"quantile"`` (underflow share counted)
+    ``threshold``             ``1e-3``          tolerated underflow share (gaussian,
+                                                quantile)
+    ``margin``                4 (2 for fp8)     binades kept free below the format's max
+    ``decay``                 1/16 (module),    binades a step the held amax peak sinks
+                              inf (global)      by; ``math.inf``: this step's amax alone
+    ``period``                ``1``             recompute scales every ``period`` steps
+    ``initial_scale``         ``1.0``           every group's scale before statistics
+    ``min_loss_scale``        ``2**-24``        lower bound of every scale
+    ``max_loss_scale``        ``2**64``         upper bound of every scale
+    ``factor``                ``16.0``          back-off factor of a group that overflowed
+    ``max_rise``              log2(factor) + 1  binades: a step whose statistics call for
+                                                a scale this much higher is not applied
+    ``max_consecutive_skips`` ``16``            skipped steps in a row before ``health``
+                                                flags them
+    ``max_depth``             ``None``          scale points only around modules this
+                                                deep (``1``: one scale per block)
+    ``filter``                ``None``          ``(path, module) -> bool``: modules to scale
+    ========================= ================= ==========================================
 
     The rule each option enters is written out on :func:`adaloss_jax.adaptive_unscale`.
 

@@ -31,7 +31,16 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from test_transformations import AROUND, FRONT_ENDS, INSIDE, _run, _x, build, scan_twins  # noqa: E402
+from test_transformations import (  # noqa: E402
+    AROUND,
+    FRONT_ENDS,
+    INSIDE,
+    _run,
+    _x,
+    build,
+    scan_twins,
+    unscaled_through_optimizer,
+)
 
 import adaloss_jax as alj  # noqa: E402
 
@@ -51,15 +60,12 @@ def row(front_end: str, around: str, inside: str) -> tuple[float, float, float]:
     stat = max(abs(np.log2(float(sa.amax[g])) - np.log2(float(sb.amax[g]))) for g in sa.amax)
     grad = max(_rel(u, v) for u, v in zip(jax.tree_util.tree_leaves(ga),
                                           jax.tree_util.tree_leaves(gb)))
-    c32 = build(front_end, around, inside, jnp.float32, scaler)
+    exact = alj.adaptive(groups="module", max_rise=1000)  # applied at the drawn scales
+    c32 = build(front_end, around, inside, jnp.float32, exact)
     log2 = {g: int(rng.integers(-8, 16)) for g in c32.state.groups}
-    _, scaled, stats = _run(c32, log2)
-    used = {g: float(v) for g, v in stats.log2_scales.items()}
-    groups = [alj._adaptive.leaf_group(p, set(used), scaler)
-              for p in alj._tree.leaf_paths(scaled)]
-    ref = jax.tree_util.tree_leaves(c32.reference())
-    fp32 = max(_rel(np.asarray(x, np.float32) * 2.0 ** -used[g], r)
-               for x, g, r in zip(jax.tree_util.tree_leaves(scaled), groups, ref))
+    unscaled, _ = unscaled_through_optimizer(c32, exact, log2)
+    fp32 = max(_rel(u, r) for u, r in zip(jax.tree_util.tree_leaves(unscaled),
+                                          jax.tree_util.tree_leaves(c32.reference())))
     return stat, grad, fp32
 
 

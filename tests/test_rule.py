@@ -156,3 +156,12 @@ def test_gaussian_rule_takes_the_smaller_scale():
     erfinv = math.sqrt(math.pi) / 2 * (t + math.pi * t**3 / 12)
     gauss = max(0, math.ceil(-24 - math.log2(math.sqrt(2) * erfinv) + 14))
     assert _scales(new) == [min(math.floor(LOG2_MAX - 4 + 6), gauss)] * 3
+
+
+def test_a_group_that_measured_nothing_does_not_stop_the_step():
+    """A group whose gradients are exactly zero (an attention key bias, a module the loss
+    does not reach this step) measures nothing: it jumps, and the step still applies."""
+    state = _state(max_rise=100)
+    new = adjust(state, _measured(state, [-12.0, -12.0, None]))
+    assert bool(new.last_applied)
+    assert _scales(new)[2] > 10.0  # the blind jump

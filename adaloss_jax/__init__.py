@@ -35,6 +35,7 @@ from adaloss_jax._policies import (
 from adaloss_jax._record import scale_group
 from adaloss_jax._state import AdaptiveScaleState, GroupVector, ScaleStats
 from adaloss_jax._transforms import (
+    LossScaleStats,
     SkipNonFiniteState,
     all_finite,
     loss_scaled,
@@ -68,6 +69,7 @@ __all__ = [
     "GradientCheck",
     "GroupVector",
     "LossScaleState",
+    "LossScaleStats",
     "NoLossScale",
     "ScaleStats",
     "SkipNonFiniteState",

@@ -121,12 +121,12 @@ def _check_recording(rec: _record.Recording, scaler: AdaptiveScale, owners: set,
                 "adaloss_jax.equinox.eqx_adaptive_value_and_grad), or mark layer functions "
                 "with adaloss_jax.scale_group(name) (pure JAX), or use groups='global'. "
                 "Linen models are seen once adaloss_jax.flax can be imported.")
-        if not group_calls and scaler.filter is not None:
+        if not group_calls and owners and scaler.filter is not None:
             raise ValueError(
                 f"the filter {scaler.filter!r} selected no module that owns parameters: no "
                 f"scale group was formed; pass a filter that accepts at least one module (or "
                 f"filter=None for all)")
-        if not group_calls:
+        if not group_calls and owners:  # (parameters owned by the root alone: one group)
             calls = sorted({_tree.name(c.path) or "(root)" for c in rec.calls})[:4]
             owned = sorted(_tree.name(o) for o in owners)[:4]
             raise ValueError(

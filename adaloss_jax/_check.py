@@ -25,6 +25,9 @@ class GradientCheck:
         ``underflow_rate``, ``headroom``, ...).
       disagreeing: names of the leaves whose relative error exceeds ``rtol``.
       rtol: the tolerance used.
+
+    >>> print(GradientCheck(rows=[], disagreeing=[], rtol=0.02).disagreeing)
+    []
     """
 
     rows: list[dict]
@@ -56,6 +59,34 @@ def check_gradients(
     as ``f(params, *args, **kwargs)``. The adaptive gradients are taken with the scales in
     ``opt_state`` and unscaled per leaf; nothing is updated. Call it outside ``jit`` (it
     jits its own computation) every so often, not every step.
+
+    Args:
+      loss_fn: the loss as trained (low precision).
+      reference_loss_fn: the same loss computed in fp32.
+      opt_state: the optimizer state (its scales are used; nothing is updated).
+      params: the parameters.
+      *args, **kwargs: the batch, as ``loss_fn`` takes it.
+      rtol: the relative error above which a leaf disagrees.
+
+    Returns:
+      A :class:`GradientCheck` (its ``str`` is a table).
+
+    Raises:
+      TypeError: when a scaler is passed where the optimizer state goes (the 0.1
+        signature).
+
+    >>> import jax.numpy as jnp, optax
+    >>> import adaloss_jax as alj
+    >>> layer = alj.scale_group("dense")(lambda p, x: jnp.tanh(x @ p["w"].astype(x.dtype)))
+    >>> params = {"dense": {"w": jnp.eye(4) / 2}}
+    >>> loss = lambda dt: lambda p, x: jnp.sum(layer(p["dense"], x.astype(dt)).astype(
+    ...     jnp.float32))
+    >>> state = alj.adaptive_unscale(alj.adaptive(groups="module")).init(params)
+    >>> state = state.with_log2_scales({"": 10, "dense": 10})
+    >>> report = alj.check_gradients(loss(jnp.float16), loss(jnp.float32), state, params,
+    ...                              jnp.ones((2, 4)))
+    >>> report.disagreeing
+    []
 
     Note: ``rtol`` also catches plain fp16 rounding: a leaf can show a few percent of
     relative error with no underflow and ample headroom, the same at any power-of-two

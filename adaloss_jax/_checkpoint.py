@@ -38,6 +38,9 @@ def save_state(path: str | os.PathLike, tree: Any) -> None:
       path: the file to write.
       tree: a pytree of arrays (or Python numbers).
 
+    Returns:
+      None.
+
     >>> import tempfile, os, adaloss_jax
     >>> state = adaloss_jax.dynamic(initial_scale=2.0**10).init()
     >>> path = os.path.join(tempfile.mkdtemp(), "state.ckpt")
@@ -111,6 +114,12 @@ def load_state(path: str | os.PathLike, template: Any) -> Any:
     Raises:
       ValueError: naming the first path at which the checkpoint differs from
         ``template``; nothing is restored then.
+
+    >>> import tempfile, os, jax.numpy as jnp
+    >>> path = os.path.join(tempfile.mkdtemp(), "w.ckpt")
+    >>> save_state(path, {"w": jnp.arange(3.0)})
+    >>> load_state(path, {"w": jnp.zeros(3)})["w"].tolist()
+    [0.0, 1.0, 2.0]
     """
     with np.load(os.fspath(path)) as data:
         keys = [str(k) for k in data["__paths__"]]

@@ -31,6 +31,9 @@ class FloatFormat:
       has_inf: whether overflow gives inf (``False`` for e4m3fn, where it gives NaN).
       needs_scaling: whether gradients in this format need loss scaling (fp16 and
         fp8 do; bf16 and fp32 have fp32's exponent range and do not).
+
+    >>> FLOAT8_E4M3.max, FLOAT8_E4M3.binades, FLOAT8_E4M3.has_inf
+    (448.0, 18, False)
     """
 
     name: str
@@ -92,6 +95,14 @@ _ALIASES = {
 
 def float_format(dtype_or_name: Any, *, argname: str = "dtype") -> FloatFormat:
     """Returns the :class:`FloatFormat` of a dtype, a dtype name or a format.
+
+    Args:
+      dtype_or_name: a dtype, a name (``"float16"``, ``"fp16"``, ``"e4m3"``, ...) or a
+        :class:`FloatFormat`.
+      argname: the argument's name, for the error message.
+
+    Returns:
+      The :class:`FloatFormat`.
 
     >>> float_format("fp16").max
     65504.0

@@ -32,6 +32,10 @@ class LossScaleState(NamedTuple):
       total_skipped: steps skipped (gradient overflow or non-finite loss).
       total_nonfinite_loss: of ``total_skipped``, those whose *loss* was non-finite.
       last_applied: whether the most recent step was applied (bool scalar).
+
+    >>> st = dynamic(initial_scale=2.0**10).init()
+    >>> float(st.loss_scale), int(st.total_applied), bool(st.last_applied)
+    (1024.0, 0, True)
     """
 
     loss_scale: jax.Array
@@ -83,6 +87,10 @@ class NoLossScale:
 
     Attributes:
       reason: why scaling is off (shown by ``repr``); informational only.
+
+    >>> st = NoLossScale().adjust(NoLossScale().init(), grads_finite=False)
+    >>> float(st.loss_scale), int(st.total_skipped)
+    (1.0, 1)
     """
 
     reason: str = "no scaling requested"
@@ -104,6 +112,9 @@ class StaticLossScale:
 
     Attributes:
       loss_scale: the scale, a power of two.
+
+    >>> float(StaticLossScale(2.0**8).init().loss_scale)
+    256.0
     """
 
     loss_scale: float = 2.0**15
@@ -162,6 +173,13 @@ class DynamicLossScale:
       max_loss_scale: upper bound; the scale can never reach inf.
       hysteresis: overflows tolerated before backing off (Megatron ``hysteresis``).
       consecutive_hysteresis: refill the hysteresis after every applied step.
+
+    >>> scaler = DynamicLossScale(initial_scale=2.0**4, period=2)
+    >>> st = scaler.init()
+    >>> for finite in (True, True, False):
+    ...     st = scaler.adjust(st, finite)
+    >>> float(st.loss_scale), int(st.total_skipped)   # grew to 2**5, backed off to 2**4
+    (16.0, 1)
     """
 
     initial_scale: float = 2.0**15
@@ -257,13 +275,31 @@ def _resolve(compute_dtype: Any, scaler: GlobalScaler) -> GlobalScaler:
 
 
 def no_scaling() -> NoLossScale:
-    """No loss scaling (scale 1); non-finite steps are still skipped and counted."""
+    """No loss scaling (scale 1); non-finite steps are still skipped and counted.
+
+    Returns:
+      A :class:`NoLossScale`.
+
+    >>> float(no_scaling().init().loss_scale)
+    1.0
+    """
     return NoLossScale()
 
 
 def static(loss_scale: float = 2.0**15, *, compute_dtype: Any = "float16") -> GlobalScaler:
     """A fixed power-of-two loss scale; a no-op (with a one-time notice) unless the
     compute dtype is float16 or fp8.
+
+    Args:
+      loss_scale: the scale, a power of two.
+      compute_dtype: the dtype the model computes in; for bf16 or fp32 the result is
+        :class:`NoLossScale`.
+
+    Returns:
+      A :class:`StaticLossScale` (or :class:`NoLossScale`).
+
+    Raises:
+      ValueError: for a scale that is not a positive power of two in fp32's range.
 
     >>> static(2.0**10).loss_scale
     1024.0
@@ -283,6 +319,21 @@ def dynamic(
     compute_dtype: Any = "float16",
 ) -> GlobalScaler:
     """Dynamic global loss scaling (see :class:`DynamicLossScale` for the rule).
+
+    Args:
+      initial_scale: the scale at the start (a power of two).
+      period: consecutive finite steps per growth.
+      factor: growth and back-off factor (a power of two > 1).
+      min_loss_scale / max_loss_scale: bounds (powers of two).
+      hysteresis: overflows tolerated before backing off.
+      consecutive_hysteresis: refill the hysteresis after every applied step.
+      compute_dtype: the dtype the model computes in.
+
+    Returns:
+      A :class:`DynamicLossScale`, or :class:`NoLossScale` for bf16/fp32 compute.
+
+    Raises:
+      ValueError / TypeError: for an option out of range, naming it and the fix.
 
     Scaling is activated only for float16 and fp8 ``compute_dtype`` (Keras 3's
     choice): for bfloat16 or float32 this returns :class:`NoLossScale` and says so once.

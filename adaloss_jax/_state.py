@@ -30,6 +30,11 @@ class GroupVector(Mapping):
     the last axis. States stacked by ``vmap`` or ``shard_map`` (leading axes) read the
     same way.
 
+    Attributes:
+      names: the groups, in model order (static).
+      parts: the values: one array (groups along its last axis), or one per group.
+      split: which of the two.
+
     A pytree whose leaves (``parts``) are the values, held as one array, or with
     ``split=True`` as one array per group. The scales are held split: the backward pass
     reads each group's scale on its own, and a value sliced out of a vector would make
@@ -135,6 +140,11 @@ class AdaptiveScaleState:
         nothing at ``max_loss_scale``). :func:`adaloss_jax.check_health` explains them.
       scaler: the :class:`~adaloss_jax.AdaptiveScale` the state was built with (static).
       fingerprint: the parameter paths and shapes the state was built for (static).
+
+    >>> import adaloss_jax as alj
+    >>> st = alj.adaptive_unscale(alj.adaptive(groups="module")).init({"a": {"w": jnp.ones(2)}})
+    >>> st.groups, float(st.log2_scales["a"]), int(st.total_applied)
+    (('', 'a'), 0.0, 0)
     """
 
     base: LossScaleState
@@ -205,6 +215,16 @@ class ScaleStats:
         ``(NBINS, groups)``), or ``None``.
       nonfinite: whether any measured value or conversion was not finite.
       fingerprint: the parameters the statistics were measured for (static).
+
+    >>> import adaloss_jax as alj
+    >>> dense = alj.scale_group("d")(lambda p, x: x @ p["w"])
+    >>> params = {"d": {"w": jnp.eye(2, dtype=jnp.float16)}}
+    >>> st = alj.adaptive_unscale(alj.adaptive(groups="module")).init(params)
+    >>> loss_fn = lambda p, x: jnp.sum(dense(p["d"], x)).astype(jnp.float32)
+    >>> x = jnp.ones((1, 2), jnp.float16)
+    >>> _, _, stats = alj.adaptive_value_and_grad(loss_fn)(st, params, x)
+    >>> float(stats.amax["d"])
+    1.0
     """
 
     log2_scales: GroupVector

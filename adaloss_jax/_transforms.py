@@ -4,8 +4,8 @@ Intended usage (all in one ``jax.jit``)::
 
     tx = optax.chain(adaloss_jax.unscale(adaloss_jax.dynamic()),
                      adaloss_jax.skip_nonfinite(optax.adamw(1e-3)))
-    loss, grads = adaloss_jax.value_and_grad(loss_fn)(opt_state, params, batch)
-    updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+    loss, grads, stats = adaloss_jax.value_and_grad(loss_fn)(opt_state, params, batch)
+    updates, opt_state = tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)
     params = optax.apply_updates(params, updates)
 
 Why two pieces and not ``optax.chain(unscale(...), optax.adamw(...))``: a transformation
@@ -20,6 +20,7 @@ collective. Forgetting ``skip_nonfinite`` is loud (NaN parameters), never silent
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -27,7 +28,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from adaloss_jax import _policies
+from adaloss_jax import _policies, _state
 from adaloss_jax._policies import LossScaleState
 from adaloss_jax._state import AdaptiveScaleState
 
@@ -64,6 +65,16 @@ def all_finite(tree: Any, *, axis_name: str | None = None) -> jax.Array:
 
     Under ``shard_map``/``pmap`` pass ``axis_name`` so all devices agree; under SPMD
     ``jit`` the arrays are global and nothing extra is needed.
+
+    Args:
+      tree: any pytree of arrays.
+      axis_name: a mapped axis to agree across.
+
+    Returns:
+      A bool scalar.
+
+    >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
+    False
     """
     leaves = jax.tree_util.tree_leaves(tree)
     ok = all_of([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
@@ -73,7 +84,18 @@ def all_finite(tree: Any, *, axis_name: str | None = None) -> jax.Array:
 
 
 def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """Branch-free ``on_true if pred else on_false`` over matching pytrees."""
+    """Branch-free ``on_true if pred else on_false`` over matching pytrees.
+
+    Args:
+      pred: a bool scalar.
+      on_true / on_false: pytrees of the same structure.
+
+    Returns:
+      The selected pytree (each leaf through ``jnp.where``).
+
+    >>> select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})["w"].tolist()
+    [0.0, 0.0]
+    """
     return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
 
 
@@ -99,12 +121,32 @@ def _to_fp32(g: jax.Array) -> jax.Array:
     return g.astype(jnp.promote_types(g.dtype, jnp.float32))
 
 
+class LossScaleStats(NamedTuple):
+    """What :func:`value_and_grad` hands to :func:`unscale` with the scaled gradients.
+
+    Attributes:
+      loss_scale: the scale the loss was multiplied by (the gradients are unscaled by it).
+
+    Passing it is what tells :func:`unscale` the gradients were scaled: gradients of an
+    unscaled loss (plain ``jax.grad``) would otherwise be divided by the loss scale once
+    too often, silently. To scale a loss by hand, differentiate :func:`scale_loss` and
+    pass ``LossScaleStats(loss_scale=scale_state(opt_state).loss_scale)``.
+
+    >>> LossScaleStats(loss_scale=jnp.float32(1024.0)).loss_scale.item()
+    1024.0
+    """
+
+    loss_scale: jax.Array
+
+
 def unscale(
     scaler: _policies.GlobalScaler, *, axis_name: str | None = None
 ) -> optax.GradientTransformationExtraArgs:
     """Unscales gradients, checks finiteness and updates the loss scale.
 
-    Per step, with ``s = state.loss_scale``::
+    Call ``tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)`` with the
+    outputs of :func:`value_and_grad`. Per step, with ``s = stats.loss_scale`` (the scale
+    the gradients were computed at)::
 
         updates = fp32(grads) / s
         loss_finite = isfinite(loss)            # True when no loss= is passed
@@ -112,10 +154,9 @@ def unscale(
         state = scaler.adjust(state, all_finite(updates), loss_finite)
         if not applied: updates = -0.0 everywhere (the skip signal for skip_nonfinite)
 
-    Pass the unscaled loss as ``tx.update(..., loss=loss)``: a non-finite loss (the
-    forward pass overflowed) then skips the step without backing the scale off, since a
-    smaller scale cannot fix the forward pass. Without ``loss=`` such a step is treated
-    as a gradient overflow.
+    Pass the unscaled loss as ``loss=``: a non-finite loss (the forward pass overflowed)
+    then skips the step without backing the scale off, since a smaller scale cannot fix
+    the forward pass. Without ``loss=`` such a step is treated as a gradient overflow.
 
     On a skipped step the updates are ``-0.0`` (:func:`signal_skip`): the transformations
     after this one see a zero gradient, so nothing is poisoned, but a stateful optimizer
@@ -130,10 +171,17 @@ def unscale(
       An ``optax.GradientTransformationExtraArgs`` whose state is a
       :class:`LossScaleState`.
 
+    Raises:
+      TypeError: for an adaptive scaler (it goes with ``adaptive_unscale``).
+      ValueError: at trace time, without ``scale_stats`` (the gradients may be of an
+        unscaled loss).
+
     >>> import optax
     >>> tx = optax.chain(unscale(_policies.static(4.0)), skip_nonfinite(optax.sgd(1.0)))
     >>> state = tx.init({"w": jnp.zeros(2)})
-    >>> updates, state = tx.update({"w": jnp.array([4.0, 8.0])}, state, loss=jnp.array(1.0))
+    >>> stats = LossScaleStats(loss_scale=jnp.float32(4.0))
+    >>> updates, state = tx.update({"w": jnp.array([4.0, 8.0])}, state, loss=jnp.array(1.0),
+    ...                            scale_stats=stats)
     >>> updates["w"].tolist(), bool(scale_state(state).last_applied)
     ([-1.0, -2.0], True)
     """
@@ -148,9 +196,17 @@ def unscale(
         del params
         return scaler.init()
 
-    def update_fn(updates, state, params=None, *, loss=None, **extra_args):
+    def update_fn(updates, state, params=None, *, loss=None, scale_stats=None, **extra_args):
         del params, extra_args
-        inv = 1.0 / state.loss_scale
+        if not isinstance(scale_stats, LossScaleStats):
+            raise ValueError(
+                f"unscale needs scale_stats=... (got {type(scale_stats).__name__}): the "
+                f"statistics adaloss_jax.value_and_grad returns with the scaled gradients, as "
+                f"in tx.update(grads, opt_state, params, loss=loss, scale_stats=stats). "
+                f"Gradients of an unscaled loss (plain jax.grad) would be divided by the loss "
+                f"scale all the same; to scale a loss by hand, differentiate "
+                f"adaloss_jax.scale_loss and pass adaloss_jax.LossScaleStats(loss_scale=...)")
+        inv = 1.0 / scale_stats.loss_scale
         updates = jax.tree_util.tree_map(lambda g: _to_fp32(g) * inv, updates)
         grads_finite = all_finite(updates, axis_name=axis_name)
         if loss is None:
@@ -163,10 +219,28 @@ def unscale(
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
 
-class SkipNonFiniteState(NamedTuple):
-    """State of :func:`skip_nonfinite`: the wrapped transformation's state."""
+@dataclasses.dataclass(frozen=True)
+class SkipNonFiniteState:
+    """State of :func:`skip_nonfinite`.
+
+    Attributes:
+      inner_state: the wrapped transformation's state.
+      fingerprint: the parameter paths and shapes it was built for (static): updates of
+        another model are refused with an error, not a broadcasting one deep inside the
+        inner optimizer.
+
+    >>> import optax
+    >>> st = skip_nonfinite(optax.sgd(0.1)).init({"w": jnp.zeros(3)})
+    >>> type(st.inner_state).__name__
+    'tuple'
+    """
 
     inner_state: Any
+    fingerprint: str = dataclasses.field(default="", metadata={"static": True})
+
+
+jax.tree_util.register_dataclass(SkipNonFiniteState, data_fields=["inner_state"],
+                                 meta_fields=["fingerprint"])
 
 
 def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
@@ -177,20 +251,41 @@ def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransfo
     (selected branch-free, so it is jit- and GPU-friendly): an exact skip. Unlike
     ``optax.apply_if_finite`` it never gives up after a number of failures; the
     counters live in the scaler's state.
+
+    Args:
+      inner: the optimizer to apply, e.g. ``optax.adamw(1e-3)``.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs`` whose state is a
+      :class:`SkipNonFiniteState`.
+
+    Raises:
+      ValueError: at trace time, for updates of another model than the state's.
+
+    >>> import optax
+    >>> tx = skip_nonfinite(optax.sgd(1.0))
+    >>> state = tx.init({"w": jnp.zeros(2)})
+    >>> tx.update({"w": jnp.array([1.0, jnp.nan])}, state)[0]["w"].tolist()
+    [0.0, 0.0]
     """
     inner = optax.with_extra_args_support(inner)
 
     def init_fn(params):
-        return SkipNonFiniteState(inner.init(params))
+        return SkipNonFiniteState(inner.init(params), _state.fingerprint(params))
 
     def update_fn(updates, state, params=None, **extra_args):
+        if state.fingerprint:
+            _state.check_fingerprint(state.fingerprint, updates, "the gradients",
+                                     "pass the gradients of the parameters tx.init was called "
+                                     "with, or re-run tx.init(params) for this model")
         ok = all_finite(updates) & ~is_skip_signal(updates)
         safe = jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), updates)
         new_updates, new_inner = inner.update(safe, state.inner_state, params, **extra_args)
         new_updates = jax.tree_util.tree_map(
             lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates
         )
-        return new_updates, SkipNonFiniteState(select_tree(ok, new_inner, state.inner_state))
+        return new_updates, SkipNonFiniteState(select_tree(ok, new_inner, state.inner_state),
+                                               state.fingerprint)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -201,7 +296,22 @@ def loss_scaled(
     *,
     axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
-    """``optax.chain(unscale(scaler, axis_name=...), skip_nonfinite(inner))``."""
+    """``optax.chain(unscale(scaler, axis_name=...), skip_nonfinite(inner))``: global loss
+    scaling with the exact skip.
+
+    Args:
+      inner: the optimizer, e.g. ``optax.adamw(1e-3)``.
+      scaler: ``dynamic(...)``, ``static(...)`` or ``no_scaling()``.
+      axis_name: as for :func:`unscale`.
+
+    Returns:
+      An ``optax.GradientTransformationExtraArgs``; use it with :func:`value_and_grad`.
+
+    >>> import optax
+    >>> tx = loss_scaled(optax.sgd(0.5), _policies.dynamic(initial_scale=2.0**10))
+    >>> float(scale_state(tx.init({"w": jnp.zeros(2)})).loss_scale)
+    1024.0
+    """
     return optax.chain(unscale(scaler, axis_name=axis_name), skip_nonfinite(inner))
 
 
@@ -252,7 +362,22 @@ def scale_state(tree: Any) -> Any:
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
-    """``fp32(loss) * loss_scale``: what to differentiate instead of the loss."""
+    """``fp32(loss) * loss_scale``: what to differentiate instead of the loss, for code
+    that takes its own gradients (:func:`value_and_grad` does this for you).
+
+    Args:
+      loss: the unscaled loss.
+      opt_state: the optimizer state holding the scaler's state.
+
+    Returns:
+      The scaled loss, fp32. Pass ``LossScaleStats(loss_scale=scale_state(opt_state)
+      .loss_scale)`` to ``tx.update`` with its gradients.
+
+    >>> import optax
+    >>> state = loss_scaled(optax.sgd(0.1), _policies.static(8.0)).init({"w": jnp.zeros(2)})
+    >>> float(scale_loss(jnp.float16(0.5), state))
+    4.0
+    """
     return _to_fp32(jnp.asarray(loss)) * scale_state(opt_state).loss_scale
 
 
@@ -260,12 +385,27 @@ def value_and_grad(
     fun: Callable[..., Any],
     argnums: int | Sequence[int] = 0,
     has_aux: bool = False,
-) -> Callable[..., tuple[Any, Any]]:
-    """Like ``jax.value_and_grad``, with the loss scaled by the optimizer state's scale.
+) -> Callable[..., tuple[Any, Any, LossScaleStats]]:
+    """``jax.value_and_grad`` with the loss scaled by the optimizer state's scale.
 
-    Returns ``g(opt_state, *args) -> (value, grads)`` where ``value`` is the *unscaled*
-    loss (or ``(loss, aux)``) and ``grads`` are the *scaled* gradients that
-    :func:`unscale` expects.
+    Args:
+      fun: the loss, ``fun(*args) -> loss`` (or ``(loss, aux)``).
+      argnums: the arguments to differentiate, as in ``jax.value_and_grad``.
+      has_aux: whether ``fun`` returns ``(loss, aux)``.
+
+    Returns:
+      ``g(opt_state, *args) -> (value, grads, stats)``: the *unscaled* loss (or
+      ``(loss, aux)``), the *scaled* gradients and the :class:`LossScaleStats` that
+      :func:`unscale` needs: ``tx.update(grads, opt_state, params, loss=loss,
+      scale_stats=stats)``.
+
+    >>> import optax
+    >>> tx = loss_scaled(optax.sgd(1.0), _policies.static(4.0))
+    >>> params = {"w": jnp.ones(2)}
+    >>> state = tx.init(params)
+    >>> loss, grads, stats = value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(state, params)
+    >>> grads["w"].tolist(), tx.update(grads, state, params, scale_stats=stats)[0]["w"].tolist()
+    ([8.0, 8.0], [-2.0, -2.0])
     """
 
     def wrapped(opt_state, *args, **kwargs):
@@ -279,6 +419,6 @@ def value_and_grad(
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(
             *args, **kwargs
         )
-        return ((loss, aux) if has_aux else loss), grads
+        return ((loss, aux) if has_aux else loss), grads, LossScaleStats(loss_scale=scale)
 
     return wrapped

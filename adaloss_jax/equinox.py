@@ -67,6 +67,17 @@ def eqx_adaptive_value_and_grad(
       the structure of ``eqx.filter(model, eqx.is_inexact_array)`` (scaled per group),
       for ``tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)`` with that
       same ``params``. Call it inside ``eqx.filter_jit`` (or ``jax.jit``).
+
+    >>> import jax.numpy as jnp, optax
+    >>> import adaloss_jax as alj
+    >>> model = eqx.nn.Linear(2, 2, key=jax.random.key(0), dtype=jnp.float16)
+    >>> tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module"))
+    >>> state = tx.init(eqx.filter(model, eqx.is_inexact_array))
+    >>> loss_fn = lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2)
+    >>> _, grads, stats = eqx.filter_jit(eqx_adaptive_value_and_grad(loss_fn))(
+    ...     state, model, jnp.ones(2, jnp.float16))
+    >>> sorted(stats.amax)
+    ['']
     """
 
     def pure(params, static, *args, **kwargs):

@@ -94,8 +94,9 @@ def train(model, params, tx, loss_fn, data_iter, steps):
 
     @jax.jit
     def step(params, opt_state, batch):
-        loss, grads = alj.value_and_grad(lambda p: loss_fn(model, p, batch))(opt_state, params)
-        updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+        loss, grads, stats = alj.value_and_grad(lambda p: loss_fn(model, p, batch))(
+            opt_state, params)
+        updates, opt_state = tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)
         return optax.apply_updates(params, updates), opt_state, loss
 
     for _ in range(steps):

@@ -125,6 +125,7 @@ def test_quantile_measured_at_the_group_scale():
     assert float(got) == _reference(c, 5)[0]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_tied_reused_attention"])
 def test_quantile_statistic_keeps_fp32_gradients_exact(name):
     """Per-module scales drawn at random: the histogram channel changes no gradient."""
@@ -141,6 +142,7 @@ def test_quantile_statistic_keeps_fp32_gradients_exact(name):
     assert_fp32_trees_close(got, ref)
 
 
+@pytest.mark.slow
 def test_quantile_on_fp16_model_flushes_at_most_about_threshold():
     """fp16 MLP, loss x 2^-28: after warm-up, the quantile scale is at most the amax
     scale and the share of non-zero cotangents measured below 2 u_min is at most T

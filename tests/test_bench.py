@@ -31,6 +31,7 @@ def _lines(path):
         return [json.loads(x) for x in f if x.strip()]
 
 
+@pytest.mark.slow
 def test_cli_end_to_end_and_resume(small_gpt, tmp_path, capsys):
     out = str(tmp_path / "res")
     argv = ["--tasks", "code-gpt", "--regimes", "tiny", "--configs",
@@ -64,6 +65,7 @@ def test_cli_end_to_end_and_resume(small_gpt, tmp_path, capsys):
     assert len(_lines(os.path.join(out, "runs.jsonl"))) == 2
 
 
+@pytest.mark.slow
 def test_tiny_regime_leaves_fp32_unchanged(small_gpt):
     """The 2^-20 loss multiplier and the 2^20 gradient multiplier cancel exactly in fp32."""
     fp32 = _configs.CONFIGS["fp32"]
@@ -92,6 +94,7 @@ def test_interrupted_bench_keeps_finished_runs(small_gpt, tmp_path, monkeypatch)
     assert "| fp32 | 1 |" in open(os.path.join(out, "report.md")).read()
 
 
+@pytest.mark.slow
 def test_flax_fp8_peer_trains_with_its_own_scaling_state(small_gpt):
     """flax's Fp8DotGeneralOp in every Dense: its scales and amax histories are updated
     from their "gradients" each step, and its e5m2 gradient scale adapts to the tiny
@@ -214,6 +217,7 @@ def test_progress_without_terminal():
 
 @pytest.mark.skipif(not os.path.isdir(_data.FASHION_MNIST_DIR),
                     reason="dataset-fashion-mnist is not installed")
+@pytest.mark.slow
 def test_resnet_with_batchnorm_under_adaptive_scaling():
     # The bench's ResNet with one narrow stage: the same stem, BatchNorm and residual
     # block, a shorter compile.

@@ -37,10 +37,10 @@ def sharded_step(mesh, axis_name):
         # Everything but bad_device carries a leading device axis of local size 1.
         w, opt_state, x = jax.tree_util.tree_map(lambda a: a[0], (w, opt_state, x))
         loss_fn = lambda w: jnp.mean(jnp.tanh(x @ w) ** 2)
-        loss, grads = alj.value_and_grad(loss_fn)(opt_state, w)
+        loss, grads, stats = alj.value_and_grad(loss_fn)(opt_state, w)
         mine = jax.lax.axis_index("data") == bad_device
         grads = grads.at[0, 0].set(jnp.where(mine, jnp.inf, grads[0, 0]))
-        updates, opt_state = tx.update(grads, opt_state, w, loss=loss)
+        updates, opt_state = tx.update(grads, opt_state, w, loss=loss, scale_stats=stats)
         w = optax.apply_updates(w, updates)
         return jax.tree_util.tree_map(lambda a: a[None], (w, opt_state))
 
@@ -111,8 +111,8 @@ SPMD_TX = alj.loss_scaled(optax.adamw(1e-2), POLICY)
 
 @jax.jit
 def spmd_step(params, opt_state, x, y, bad_rows):
-    loss, grads = alj.value_and_grad(loss_fn)(opt_state, params, x, y, bad_rows)
-    updates, opt_state = SPMD_TX.update(grads, opt_state, params, loss=loss)
+    loss, grads, stats = alj.value_and_grad(loss_fn)(opt_state, params, x, y, bad_rows)
+    updates, opt_state = SPMD_TX.update(grads, opt_state, params, loss=loss, scale_stats=stats)
     return optax.apply_updates(params, updates), opt_state
 
 

@@ -93,6 +93,7 @@ def _params(model):
 
 @settings(max_examples=1, deadline=None,
           suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@pytest.mark.slow
 @given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4))
 @example(ops=["scan", "reuse", "concat"])
 def test_random_eqx_graphs_exact_and_no_worse_than_global(ops):

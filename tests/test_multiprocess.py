@@ -14,6 +14,8 @@ import sys
 import numpy as np
 import pytest
 
+pytestmark = pytest.mark.slow  # the full suite only (CI)
+
 HERE = pathlib.Path(__file__).resolve().parent
 TIMEOUT_S = 240
 
@@ -72,4 +74,5 @@ def test_two_processes_agree_with_each_other_and_with_one(tmp_path):
 
 
 if sys.platform != "linux":  # pragma: no cover
-    pytestmark = pytest.mark.skip("jax.distributed on localhost is tested on Linux")
+    pytestmark = [pytest.mark.slow,
+                  pytest.mark.skip("jax.distributed on localhost is tested on Linux")]

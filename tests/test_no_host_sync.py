@@ -45,8 +45,8 @@ def test_dynamic_step_has_no_host_round_trips():
 
     def step(params, state, x, y):
         loss_of = lambda p, x, y: classification_loss(model, {"params": p}, x, y)[0]
-        loss, grads = alj.value_and_grad(loss_of)(state, params, x, y)
-        updates, state = tx.update(grads, state, params, loss=loss)
+        loss, grads, stats = alj.value_and_grad(loss_of)(state, params, x, y)
+        updates, state = tx.update(grads, state, params, loss=loss, scale_stats=stats)
         return optax.apply_updates(params, updates), state
 
     assert host_ops(step, params, tx.init(params), x, y) == []

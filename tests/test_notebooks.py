@@ -16,6 +16,8 @@ import sys
 
 import pytest
 
+pytestmark = pytest.mark.slow  # the full suite only (CI)
+
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 NOTEBOOK_DIR = ROOT / "notebooks"
 EXPECTED = ("quickstart.ipynb", "flax_integration.ipynb", "underflow_diagnosis.ipynb")

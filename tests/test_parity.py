@@ -198,8 +198,9 @@ def test_real_gradients_same_scales_and_skips_as_flax(period):
         def step(carry, batch):
             params, opt_state = carry
             used = alj.scale_state(opt_state).loss_scale
-            loss, grads = alj.value_and_grad(fp16_loss)(opt_state, params, *batch)
-            updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+            loss, grads, stats = alj.value_and_grad(fp16_loss)(opt_state, params, *batch)
+            updates, opt_state = tx.update(grads, opt_state, params, loss=loss,
+                                           scale_stats=stats)
             params = optax.apply_updates(params, updates)
             st = alj.scale_state(opt_state)
             return (params, opt_state), (used, st.loss_scale, st.last_applied, loss)

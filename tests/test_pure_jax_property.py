@@ -10,11 +10,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 from test_stream_property import assert_conformance, conformance_step
 
 import adaloss_jax as alj
+
+pytestmark = pytest.mark.slow  # the full suite only (CI)
 
 W, V, T, B = 8, 16, 6, 4
 OPS = ("dense", "residual", "reuse", "concat", "scan")

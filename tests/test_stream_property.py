@@ -11,12 +11,15 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import pytest
 from flax import linen as nn
 from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import adaloss_jax as alj
 from adaloss_jax import _stream
+
+pytestmark = pytest.mark.slow  # the full suite only (CI)
 
 W, V, T, B = 8, 16, 6, 4
 OPS = ("dense", "reuse", "residual", "concat", "cross", "scan", "remat", "dict", "bn", "nest")

@@ -61,13 +61,13 @@ GRAD = jax.jit(jax.grad(loss_fn))
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def scaled_step(tx, compute_dtype, params, opt_state, x, y, bad, loss_override=None):
-    loss, grads = alj.value_and_grad(loss_fn)(opt_state, params, x, y, compute_dtype)
+    loss, grads, stats = alj.value_and_grad(loss_fn)(opt_state, params, x, y, compute_dtype)
     grads = inject(grads, bad)
     if loss_override is not None:
         loss = loss_override
     # What the inner optimizer is handed: the unscaled gradients (NaN when skipped).
-    handed, _ = alj.unscale(POLICY).update(grads, alj.scale_state(opt_state))
-    updates, opt_state = tx.update(grads, opt_state, params, loss=loss)
+    handed, _ = alj.unscale(POLICY).update(grads, alj.scale_state(opt_state), scale_stats=stats)
+    updates, opt_state = tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)
     return optax.apply_updates(params, updates), opt_state, handed
 
 
@@ -197,7 +197,8 @@ def test_unscale_gives_unscaled_fp32_updates():
     tx = optax.chain(alj.unscale(alj.static(2.0**4)), alj.skip_nonfinite(optax.sgd(1.0)))
     state = tx.init({"w": jnp.zeros(3, jnp.float16)})
     grads = {"w": jnp.asarray([16.0, 2.0**-20, 64.0], jnp.float16)}
-    updates, state = jax.jit(tx.update)(grads, state)
+    stats = alj.LossScaleStats(loss_scale=jnp.float32(2.0**4))
+    updates, state = jax.jit(lambda g, s: tx.update(g, s, scale_stats=stats))(grads, state)
     assert updates["w"].dtype == jnp.float32
     # 2**-20 / 16 = 2**-24 is below fp16's normal range: kept because we unscale in fp32.
     np.testing.assert_array_equal(updates["w"], np.asarray([-1.0, -(2.0**-24), -4.0]))
@@ -334,6 +335,24 @@ def test_mismatched_checkpoint_is_refused(tmp_path, make_template, where, what):
     assert tree_equal(alj.load_state(tmp_path / "opt", TX.init(params)), state)
 
 
+def test_gradients_without_their_scale_statistics_are_refused():
+    """Gradients of an unscaled loss (plain jax.grad) handed to the unscale would be
+    divided by the loss scale all the same (2^15 too small): without the statistics the
+    gradient function returns with the scaled gradients, the update is refused at trace
+    time; the state of another model is refused with a message, not a broadcasting
+    error."""
+    params = init_params()
+    x, y = (b[0] for b in batches(1))
+    opt_state = TX.init(params)
+    plain = jax.grad(loss_fn)(params, x, y)
+    with pytest.raises(ValueError, match="unscale needs scale_stats"):
+        TX.update(plain, opt_state, params)
+    other = {**params, "w1": jnp.zeros((3, 3))}
+    _, grads, stats = alj.value_and_grad(loss_fn)(opt_state, params, x, y)
+    with pytest.raises(ValueError, match="another model"):
+        TX.update(grads, TX.init(other), params, scale_stats=stats)
+
+
 def test_loss_side_helpers():
     params = init_params()
     opt_state = TX.init(params)
@@ -344,7 +363,7 @@ def test_loss_side_helpers():
     def both(opt_state, params):
         scaled = alj.scale_loss(loss_fn(params, x, y), opt_state)
         aux_fn = lambda p: (loss_fn(p, x, y), {"n": jnp.int32(3)})
-        (loss, aux), grads = alj.value_and_grad(aux_fn, has_aux=True)(opt_state, params)
+        (loss, aux), grads, _ = alj.value_and_grad(aux_fn, has_aux=True)(opt_state, params)
         manual = jax.grad(lambda p: alj.scale_loss(loss_fn(p, x, y), opt_state))(params)
         return scaled, loss, aux, grads, manual
 

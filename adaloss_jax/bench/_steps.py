@@ -1,9 +1,8 @@
 """One training step for either kind of scaler, so that every benchmark builds it alike.
 
 A global scaler (``alj.dynamic()``, ``alj.no_scaling()``, ...) and an adaptive scaler
-(``alj.adaptive()``) differ in three places: the Optax chain, the gradient function
-(the adaptive one also returns statistics) and the ``tx.update`` keywords. These
-functions hide the difference.
+(``alj.adaptive()``) differ in the Optax chain and the gradient function; both gradient
+functions return ``(value, grads, stats)`` for ``tx.update(..., scale_stats=stats)``.
 """
 
 from __future__ import annotations
@@ -29,21 +28,15 @@ def scaled_value_and_grad(loss_fn: Callable[..., Any], scaling: Any,
                           has_aux: bool = False) -> Callable[..., tuple[Any, Any, dict]]:
     """``g(opt_state, params, *args) -> (value, scaled gradients, update keywords)``;
     pass the keywords (and ``loss=``) to ``tx.update``."""
-    if isinstance(scaling, alj.AdaptiveScale):
-        vg = alj.adaptive_value_and_grad(loss_fn, has_aux=has_aux)
+    make = (alj.adaptive_value_and_grad if isinstance(scaling, alj.AdaptiveScale)
+            else alj.value_and_grad)
+    vg = make(loss_fn, has_aux=has_aux)
 
-        def adaptive(opt_state, params, *args):
-            value, grads, stats = vg(opt_state, params, *args)
-            return value, grads, {"scale_stats": stats}
+    def grads(opt_state, params, *args):
+        value, grads, stats = vg(opt_state, params, *args)
+        return value, grads, {"scale_stats": stats}
 
-        return adaptive
-    vg = alj.value_and_grad(loss_fn, has_aux=has_aux)
-
-    def global_(opt_state, params, *args):
-        value, grads = vg(opt_state, params, *args)
-        return value, grads, {}
-
-    return global_
+    return grads
 
 
 def scaled_step(loss_fn: Callable[..., Any], inner: optax.GradientTransformation,

@@ -37,9 +37,20 @@ class TrainState(train_state.TrainState):
     (``adaloss_jax.adaptive(...)``). Pass ``scaler=None`` when ``tx`` already holds an
     unscale. :func:`train_step` does the whole step.
 
-    ``apply_gradients(grads=scaled_grads, loss=loss)`` unscales, checks finiteness,
-    updates the scale and applies the update only when it is finite; ``step`` counts
-    every call, ``loss_scale_state.total_applied`` the applied ones.
+    ``apply_gradients(grads=..., loss=..., scale_stats=...)`` unscales, checks
+    finiteness, updates the scale and applies the update only when it is finite; ``step``
+    counts every call, ``loss_scale_state.total_applied`` the applied ones.
+
+    Attributes:
+      step, apply_fn, params, tx, opt_state: as flax's ``TrainState``; ``opt_state``
+        holds the scaler's state (``loss_scale_state``).
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import adaloss_jax as alj
+    >>> state = TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)},
+    ...                           tx=optax.sgd(0.1), scaler=alj.dynamic(initial_scale=8.0))
+    >>> float(state.loss_scale_state.loss_scale)
+    8.0
     """
 
     @classmethod
@@ -57,9 +68,9 @@ class TrainState(train_state.TrainState):
         return _transforms.scale_state(self.opt_state)
 
     def apply_gradients(self, *, grads, loss=None, scale_stats=None, **kwargs):
-        """Applies *scaled* gradients; pass the unscaled ``loss`` to tell a forward
-        overflow (skip, keep the scale) from a gradient overflow (skip, back off), and,
-        with adaptive scaling, the ``scale_stats`` of the backward pass."""
+        """Applies *scaled* gradients with the ``scale_stats`` the gradient function
+        returned with them; pass the unscaled ``loss`` to tell a forward overflow (skip,
+        keep the scale) from a gradient overflow (skip, back off)."""
         extra = {} if scale_stats is None else {"scale_stats": scale_stats}
         updates, new_opt_state = self.tx.update(
             grads, self.opt_state, self.params, loss=loss, **extra
@@ -81,24 +92,35 @@ def train_step(
 ) -> tuple[TrainState, dict[str, Any]]:
     """One loss-scaled step: scale -> grad -> unscale -> finite check -> update.
 
-    ``loss_fn(params, *args, **kwargs)`` returns the loss (or ``(loss, aux)`` with
-    ``has_aux``). Call it inside your ``jax.jit``::
+    Call it inside your ``jax.jit``; a global or an adaptive scaler alike (whichever the
+    state's optimizer holds).
 
-        @jax.jit
-        def step(state, batch):
-            return adaloss_jax.flax.train_step(state, loss_fn, batch)
+    Args:
+      state: a :class:`TrainState`.
+      loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (or ``(loss, aux)``).
+      *args, **kwargs: the batch.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
-    Returns the new state and metrics: ``loss`` (unscaled), ``applied`` (bool),
-    ``loss_scale`` (the scale the loss was multiplied by; the root scale with adaptive
-    scaling) and ``aux`` when ``has_aux``.
+    Returns:
+      The new state and metrics: ``loss`` (unscaled), ``applied`` (bool),
+      ``loss_scale`` (the scale the loss was multiplied by; the root scale with adaptive
+      scaling) and ``aux`` when ``has_aux``.
+
+    >>> import jax, jax.numpy as jnp, optax
+    >>> import adaloss_jax as alj
+    >>> loss_fn = lambda p, x: jnp.sum((x @ p["w"]) ** 2)
+    >>> state = TrainState.create(apply_fn=None, params={"w": jnp.ones((2, 1))},
+    ...                           tx=optax.sgd(0.1), scaler=alj.dynamic())
+    >>> state, metrics = jax.jit(lambda s, x: train_step(s, loss_fn, x))(state, jnp.ones((1, 2)))
+    >>> float(metrics["loss"]), bool(metrics["applied"])
+    (4.0, True)
     """
     scale_used = state.loss_scale_state.loss_scale
     if isinstance(state.loss_scale_state, AdaptiveScaleState):
         value, grads, stats = _adaptive.adaptive_value_and_grad(loss_fn, has_aux=has_aux)(
             state.opt_state, state.params, *args, **kwargs)
     else:
-        stats = None
-        value, grads = _transforms.value_and_grad(loss_fn, has_aux=has_aux)(
+        value, grads, stats = _transforms.value_and_grad(loss_fn, has_aux=has_aux)(
             state.opt_state, state.params, *args, **kwargs)
     loss, aux = value if has_aux else (value, None)
     state = state.apply_gradients(grads=grads, loss=jnp.asarray(loss), scale_stats=stats)

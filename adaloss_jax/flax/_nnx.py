@@ -39,6 +39,14 @@ def nnx_optimizer(
 
     Raises:
       ValueError: if the optimizer holds no scaler state.
+
+    >>> import optax
+    >>> from flax import nnx
+    >>> import adaloss_jax as alj
+    >>> model = nnx.Linear(2, 2, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx_optimizer(model, optax.sgd(0.1), alj.dynamic(initial_scale=4.0))
+    >>> float(alj.scale_state(optimizer).loss_scale)
+    4.0
     """
     optimizer = nnx.Optimizer(model, scaled_tx(tx, scaler, axis_name), wrt=wrt)
     _transforms.scale_state(optimizer)  # fail now if tx has no unscale()
@@ -55,8 +63,26 @@ def nnx_train_step(
 ) -> dict[str, Any]:
     """One loss-scaled step on an NNX model, updating ``model`` and ``optimizer`` in place.
 
-    ``loss_fn(model, *args, **kwargs)`` returns the loss (or ``(loss, aux)``). Call it
-    inside ``nnx.jit``. Returns metrics as :func:`adaloss_jax.flax.train_step` does.
+    Call it inside ``nnx.jit``.
+
+    Args:
+      model: the NNX model.
+      optimizer: its :func:`nnx_optimizer`.
+      loss_fn: ``loss_fn(model, *args, **kwargs) -> loss`` (or ``(loss, aux)``).
+      *args, **kwargs: the batch.
+      has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
+
+    Returns:
+      Metrics as :func:`adaloss_jax.flax.train_step` returns them.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import adaloss_jax as alj
+    >>> model = nnx.Linear(2, 1, rngs=nnx.Rngs(0))
+    >>> optimizer = nnx_optimizer(model, optax.sgd(0.1), alj.dynamic())
+    >>> step = nnx.jit(lambda m, o, x: nnx_train_step(m, o, lambda m, x: jnp.sum(m(x) ** 2), x))
+    >>> bool(step(model, optimizer, jnp.ones((1, 2)))["applied"])
+    True
     """
     scale_used = _transforms.scale_state(optimizer).loss_scale
     if isinstance(_transforms.scale_state(optimizer), AdaptiveScaleState):
@@ -74,7 +100,8 @@ def nnx_train_step(
         grad_fn = nnx.value_and_grad(scaled, argnums=nnx.DiffState(0, optimizer.wrt),
                                      has_aux=True)
         (_, (loss, aux)), grads = grad_fn(model)
-        optimizer.update(model, grads, loss=jnp.asarray(loss))
+        optimizer.update(model, grads, loss=jnp.asarray(loss),
+                         scale_stats=_transforms.LossScaleStats(loss_scale=scale_used))
     metrics = {"loss": loss, "applied": _transforms.scale_state(optimizer).last_applied,
                "loss_scale": scale_used}
     if has_aux:

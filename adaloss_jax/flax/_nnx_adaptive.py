@@ -47,6 +47,18 @@ def nnx_adaptive_value_and_grad(
       ``optimizer.update(model, grads, loss=loss, scale_stats=stats)``. Non-parameter
       state the loss changes (batch statistics, RNG counters) is written back to
       ``model``. Call it inside ``nnx.jit``.
+
+    >>> import jax.numpy as jnp, optax
+    >>> from flax import nnx
+    >>> import adaloss_jax as alj
+    >>> model = nnx.Linear(2, 2, dtype=jnp.float16, rngs=nnx.Rngs(0))
+    >>> tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module"))
+    >>> state = tx.init(nnx.as_pure(nnx.state(model, nnx.Param)))
+    >>> loss_fn = lambda m, x: jnp.sum(m(x).astype(jnp.float32) ** 2)
+    >>> loss, grads, stats = nnx.jit(nnx_adaptive_value_and_grad(loss_fn))(
+    ...     state, model, jnp.ones((1, 2), jnp.float16))
+    >>> sorted(stats.amax)
+    ['']
     """
 
     def pure(params, graphdef, rest, *args, **kwargs):

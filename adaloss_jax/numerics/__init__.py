@@ -23,7 +23,7 @@ from adaloss_jax.numerics._table import (
     format_table,
     rows_as_dicts,
 )
-from adaloss_jax.numerics._taps import linen_taps, nnx_taps, taps
+from adaloss_jax.numerics._taps import nnx_taps, taps
 
 __all__ = [
     "DEFAULT_COLUMNS",
@@ -38,7 +38,6 @@ __all__ = [
     "fp8_cotangents",
     "linen_grads",
     "linen_probe",
-    "linen_taps",
     "loss_scale_of",
     "make_probe",
     "nnx_probe",

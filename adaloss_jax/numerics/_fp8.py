@@ -72,6 +72,14 @@ def amax_scale(g: jax.Array, fmt: Any, margin: int = 0) -> jax.Array:
     ``fmt.max``: ``2 ** (floor(log2(fmt.max / amax)) - margin)``; 1 when ``g`` is all
     zero or not finite.
 
+    Args:
+      g: the tensor.
+      fmt: the format (``"float8_e5m2"``, ...).
+      margin: binades kept free below the format's max.
+
+    Returns:
+      An fp32 scalar power of two.
+
     >>> float(amax_scale(jnp.array([0.5, -3.0]), "float8_e5m2"))
     16384.0
     """
@@ -113,6 +121,9 @@ def quantize_cotangent(
       dtype: ``"float8_e5m2"`` (default) or ``"float8_e4m3fn"``.
       margin: binades kept free below the format's max when ``scale=None``.
 
+    Returns:
+      ``x``, unchanged (the rounding happens to its cotangent).
+
     >>> g = jax.grad(lambda x: jnp.sum(quantize_cotangent(x, 1.0) * 0.3))(jnp.ones(2))
     >>> g.tolist()  # 0.3 in e5m2 is 0.3125
     [0.3125, 0.3125]
@@ -149,6 +160,17 @@ def fp8_cotangents(
         mapping from tap key (``"block_0/mlp"``) to scale; keys missing from it use 1.
       filter: ``(module_path, module) -> bool``; all modules when None.
       margin: binades kept free when scales come from amax.
+
+    Returns:
+      A context manager.
+
+    >>> import adaloss_jax as alj
+    >>> f = alj.scale_group("f")(lambda x: x * 1.0)
+    >>> def loss(x):
+    ...     with fp8_cotangents("float8_e5m2", scale=1.0):
+    ...         return jnp.sum(f(x) * 0.3)
+    >>> jax.grad(loss)(jnp.ones(2)).tolist()  # 0.3 in e5m2 is 0.3125
+    [0.3125, 0.3125]
     """
     _fp8_format(dtype)
 

@@ -40,6 +40,9 @@ class ProbeGrads(NamedTuple):
       param_scales: the scale each parameter gradient carries: a scalar for one global
         scale, or a pytree like ``params`` (per-layer scaling).
       cotangent_scales: a scalar, or a dict like ``cotangents``.
+
+    >>> ProbeGrads({"w": jnp.ones(2)}, {}, 4.0).param_scales
+    4.0
     """
 
     params: Any
@@ -55,9 +58,16 @@ GradsFn = Callable[..., ProbeGrads]
 def loss_scale_of(scale: Any) -> jax.Array:
     """The global loss scale as an fp32 scalar, from any of the ways it is held.
 
-    Accepts ``None`` (no scaling: 1), a positive Python number, a scalar array, a
-    :class:`~adaloss_jax.LossScaleState`, or an optimizer state holding exactly one
-    (``alj.loss_scaled(...)``'s state, a ``TrainState.opt_state``).
+    Args:
+      scale: ``None`` (no scaling: 1), a positive Python number, a scalar array, a
+        :class:`~adaloss_jax.LossScaleState`, or an optimizer state holding exactly
+        one (``alj.loss_scaled(...)``'s state, a ``TrainState.opt_state``).
+
+    Returns:
+      An fp32 scalar.
+
+    Raises:
+      TypeError / ValueError: for anything else, naming what it got.
 
     >>> float(loss_scale_of(2.0**10))
     1024.0
@@ -103,9 +113,22 @@ def _named_leaves(tree: Any) -> tuple[list[str], list[jax.Array], Any]:
 def compare(ref: ProbeGrads, low: ProbeGrads, fmt: Any = "float16") -> dict[str, Any]:
     """Statistics of every tensor of ``low`` against ``ref`` (jit-able).
 
+    Args:
+      ref: the fp32 reference run (scale 1).
+      low: the low-precision run, with the scales it used.
+      fmt: the format the statistics refer to.
+
     Returns:
       ``{"param": {name: stats}, "cotangent": {key: stats}}`` with ``stats`` as from
       :func:`tensor_stats`.
+
+    Raises:
+      ValueError: when the two runs differ in structure or in the modules they tapped.
+
+    >>> ref = ProbeGrads({"w": jnp.array([1e-9, 1.0])}, {})
+    >>> low = ProbeGrads({"w": jnp.array([0.0, 4.0], jnp.float16)}, {}, 4.0)
+    >>> float(compare(ref, low)["param"]["w"]["underflow_rate"])
+    0.5
     """
     fmt = _formats.float_format(fmt, argname="fmt")
     out: dict[str, Any] = {"param": {}, "cotangent": {}}
@@ -152,6 +175,11 @@ class Probe:
 
     Attributes:
       fmt: the :class:`~adaloss_jax.FloatFormat` the statistics refer to.
+
+    >>> probe = make_probe(lambda x: ProbeGrads({"w": x}, {}),
+    ...                    lambda x: ProbeGrads({"w": x.astype(jnp.float16)}, {}))
+    >>> isinstance(probe, Probe), probe.fmt.name
+    (True, 'float16')
     """
 
     def __init__(self, ref_fn: GradsFn, low_fn: GradsFn, fmt: Any,
@@ -208,6 +236,13 @@ def make_probe(ref_fn: GradsFn, low_fn: GradsFn, *, fmt: Any = "float16") -> Pro
     same step: the fp32 reference (scale 1) and the low-precision run with the scales it
     used (scalars, or per-tensor pytrees for per-layer scaling). Both run under one
     ``jax.jit``.
+
+    Args:
+      ref_fn / low_fn: ``(*args) -> ProbeGrads``.
+      fmt: the format the low-precision gradients are stored in.
+
+    Returns:
+      A :class:`Probe`: ``probe(*args) -> list[ProbeRow]``.
 
     >>> ref = lambda x: ProbeGrads({"w": x}, {})
     >>> low = lambda x: ProbeGrads({"w": (x * 4).astype(jnp.float16)}, {}, 4.0)
@@ -304,11 +339,22 @@ def linen_grads(
       filter: which modules' outputs to tap.
       fp32_params: cast the parameters to fp32 first (for a reference run).
       expect_dtype: if set, every tapped output must have this dtype.
+
+    Returns:
+      ``grads(params, batch, scale=1.0) -> ProbeGrads``.
+
+    >>> import flax.linen as nn
+    >>> model = nn.Dense(2)
+    >>> params = model.init(jax.random.key(0), jnp.ones((1, 3)))["params"]
+    >>> g = linen_grads(model, lambda m, p, b: jnp.sum(m.apply({"params": p}, b)))(
+    ...     params, jnp.ones((1, 3)))
+    >>> sorted(g.cotangents)
+    ['']
     """
 
     def grads(params, batch, scale=1.0):
         def run(p, leaf_tap):
-            with _taps.linen_taps(leaf_tap, filter):
+            with _taps.taps(leaf_tap, filter):
                 return loss_fn(model, p, batch)
 
         p = _fp32(params) if fp32_params else params
@@ -359,6 +405,9 @@ def linen_probe(
         output of the reference must be fp32 (checked).
       filter: ``(module_path, module) -> bool`` selecting the modules whose output
         cotangents are reported; all modules when None.
+
+    Returns:
+      A :class:`Probe`: ``probe(params, batch, scale=None) -> list[ProbeRow]``.
 
     Raises:
       ValueError: no ``fmt`` and no usable ``model.dtype``; no ``ref_model`` and no
@@ -440,6 +489,15 @@ def nnx_probe(
         and dtypes are used, the weights come from the probed model); default: a clone
         with every submodule's ``dtype`` attribute set to float32.
       filter: ``(module_path, module) -> bool`` selecting the tapped modules.
+
+    Returns:
+      A :class:`Probe`: ``probe(model, batch, scale=None) -> list[ProbeRow]``.
+
+    >>> from flax import nnx
+    >>> model = nnx.Linear(4, 3, dtype=jnp.float16, rngs=nnx.Rngs(0))
+    >>> rows = nnx_probe(model, lambda m, b: jnp.mean(m(b) ** 2))(model, jnp.ones((2, 4)))
+    >>> sorted({r.kind for r in rows})
+    ['cotangent', 'param']
     """
     from flax import nnx
 

@@ -32,6 +32,11 @@ class ProbeRow:
       amax: largest magnitude as stored (scaled).
       headroom: ``log2(fmt.max / amax)``, binades left before overflow.
       scale: the scale the stored tensor carries.
+
+    >>> r = ProbeRow("param", "w", (2,), "float16", "float16", 2, 2, 1, 0.5, 0.0, 0, 0.5,
+    ...              1.0, 15.99, 1.0)
+    >>> r.underflow_rate
+    0.5
     """
 
     kind: str
@@ -53,6 +58,13 @@ class ProbeRow:
 
 def rows_as_dicts(rows: Iterable[ProbeRow], **extra: Any) -> list[dict[str, Any]]:
     """Rows as dicts, each with the ``extra`` columns (e.g. ``step=100, setting="fp16"``).
+
+    Args:
+      rows: probe rows.
+      **extra: columns added to every row.
+
+    Returns:
+      A list of plain dicts.
 
     >>> r = ProbeRow("param", "w", (2,), "float16", "float16", 2, 2, 1, 0.5, 0.0, 0, 0.5,
     ...              1.0, 15.99, 1.0)
@@ -84,6 +96,12 @@ def _binades(x: float) -> str:
 
 def display_name(name: str) -> str:
     """A tensor's name as tables print it: the root's empty path reads ``(root)``.
+
+    Args:
+      name: a parameter or module path (``""`` for the root).
+
+    Returns:
+      The name to print.
 
     >>> display_name(""), display_name("[0]"), display_name("Dense_0")
     ('(root)', '(root)[0]', 'Dense_0')
@@ -129,6 +147,16 @@ def format_table(
     """Formats probe rows (or row dicts) as a fixed-width text table.
 
     Rates print as percentages, ``headroom`` in binades, ``scale`` as a power of two.
+
+    Args:
+      rows: :class:`ProbeRow` s or dicts with the same fields.
+      columns: the fields to print, in order.
+
+    Returns:
+      The table, a string.
+
+    Raises:
+      ValueError: for a column that is not a row field.
 
     >>> r = ProbeRow("param", "w", (2,), "float16", "float16", 2, 2, 1, 0.5, 0.0, 0, 0.5,
     ...              1.0, 15.99, 1.0)

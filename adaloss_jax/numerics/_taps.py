@@ -67,12 +67,20 @@ def taps(leaf_tap: LeafTap, filter: ModuleFilter | None = None) -> Iterator[None
       leaf_tap: ``(key, leaf) -> leaf``, called while tracing.
       filter: ``(module_path, module) -> bool`` (``module`` is None for a
         ``scale_group`` function); all calls when None.
+
+    Returns:
+      A context manager.
+
+    >>> import jax.numpy as jnp, adaloss_jax as alj
+    >>> seen = []
+    >>> f = alj.scale_group("double")(lambda x: 2 * x)
+    >>> with taps(lambda key, leaf: seen.append(key) or leaf):
+    ...     _ = f(jnp.ones(2))
+    >>> seen
+    ['double']
     """
     with Taps(leaf_tap, filter), _record.hooks():
         yield
-
-
-linen_taps = taps
 
 
 @contextlib.contextmanager
@@ -84,6 +92,23 @@ def nnx_taps(
     Call it only on a copy made inside the traced function (``nnx.merge`` of a split),
     never on the user's live model: within the context the copy's modules have the
     reporting subclass of :mod:`adaloss_jax._swap` (their classes are restored on exit).
+
+    Args:
+      model: a private copy of the NNX model.
+      leaf_tap: ``(key, leaf) -> leaf``, called while tracing.
+      filter: ``(module_path, module) -> bool``; all modules when None.
+
+    Returns:
+      A context manager.
+
+    >>> import jax.numpy as jnp
+    >>> from flax import nnx
+    >>> graphdef, state = nnx.split(nnx.Linear(2, 2, rngs=nnx.Rngs(0)))
+    >>> copy, seen = nnx.merge(graphdef, state), []
+    >>> with nnx_taps(copy, lambda key, leaf: seen.append(key) or leaf):
+    ...     _ = copy(jnp.ones((1, 2)))
+    >>> seen
+    ['']
     """
     from adaloss_jax.flax import _nnx_adaptive
 

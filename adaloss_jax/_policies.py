@@ -10,6 +10,8 @@ flattened).
 from __future__ import annotations
 
 import dataclasses
+import os
+import sys
 import warnings
 from typing import Any, NamedTuple
 
@@ -249,12 +251,25 @@ GlobalScaler = NoLossScale | StaticLossScale | DynamicLossScale
 _NOTICED: set[str] = set()
 
 
+_PACKAGE = os.path.dirname(os.path.abspath(__file__))
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` of the innermost caller outside this package: a warning then
+    points at the user's line, however deep inside the library it is raised."""
+    frame, level = sys._getframe(1), 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
+        frame, level = frame.f_back, level + 1
+    return level
+
+
 def notice_once(key: str, message: str) -> None:
-    """``warnings.warn(message)`` the first time ``key`` is seen in this process."""
+    """``warnings.warn(message)``, at the user's line, the first time ``key`` is seen in
+    this process."""
     if key in _NOTICED:
         return
     _NOTICED.add(key)
-    warnings.warn(message, stacklevel=3)
+    warnings.warn(message, stacklevel=user_stacklevel())
 
 
 def _notice_no_scaling(fmt: _formats.FloatFormat) -> None:

@@ -101,7 +101,8 @@ def _per_device_scales(mesh, axis_name, check_vma):
     return params, x, ys[0], out
 
 
-@pytest.mark.parametrize("axis_name", ["data", None], ids=["axis_name", "no-axis_name"])
+@pytest.mark.parametrize("axis_name", [pytest.param("data", marks=pytest.mark.slow), None],
+                         ids=["axis_name", "no-axis_name"])
 def test_typed_shard_map_devices_agree_and_equal_one_device(mesh, axis_name):
     """With ``check_vma`` (the default) JAX types every cotangent as varying over the
     mapped axis: the scale points reduce their statistics over it and the gradient of a

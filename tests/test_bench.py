@@ -205,14 +205,31 @@ def test_summary_table_gap_and_spread():
 
 def test_progress_without_terminal():
     stream = io.StringIO()
-    p = _progress.Progress(10, stream=stream, every_s=0.0)
-    p.label = "code-gpt tiny fp32 seed 0"
+    p = _progress.Progress(10, total_runs=2, stream=stream, every_s=0.0)
+    p.start_run("code-gpt tiny fp32 seed 0")
+    assert "compiling" in stream.getvalue()  # a line at once, before the first step
     for _ in range(5):
         p.step()
     p.note("done")
     p.close()
     text = stream.getvalue()
     assert " 50.0%" in text and "code-gpt tiny fp32 seed 0" in text and "done\n" in text
+
+
+def test_progress_estimate_counts_compilation_apart(monkeypatch):
+    """A first step that compiles for 10 s and steady steps of 0.1 s: with 2 runs of 100
+    steps and the first run half done, about 5 s + 10 s + 99 x 0.1 s are left, not the
+    first run's average extrapolated (which put hours on a 4-minute bench)."""
+    now = [0.0]
+    monkeypatch.setattr(_progress.time, "perf_counter", lambda: now[0])
+    p = _progress.Progress(200, total_runs=2, stream=io.StringIO())
+    p.start_run("run 0")
+    now[0] += 10.0
+    p.step()
+    for _ in range(49):
+        now[0] += 0.1
+        p.step()
+    assert abs(p.eta() - (50 * 0.1 + 10.0 + 99 * 0.1)) < 1e-6
 
 
 @pytest.mark.skipif(not os.path.isdir(_data.FASHION_MNIST_DIR),

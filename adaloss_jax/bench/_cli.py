@@ -130,6 +130,8 @@ def main(argv=None) -> int:
 
     # Data first: a missing package stops an explicit request, and is skipped (with the
     # install command) in the default suite.
+    print(f"adaloss_jax bench: loading the data of {', '.join(sorted({t for t, _ in plan}))}",
+          file=sys.stderr, flush=True)
     for task in sorted({t for t, _ in plan}):
         msg = _tasks.TASKS[task].available()
         if msg is None:
@@ -164,7 +166,7 @@ def main(argv=None) -> int:
     print(f"adaloss_jax bench: {len(plan)} task/regime pairs, {n_runs} runs to do "
           f"({sum(len(v) for v in plan.values()) * len(seeds) - n_runs} already in {raw})",
           file=sys.stderr)
-    progress = Progress(total)
+    progress = Progress(total, n_runs)
     interrupted = False
     # A `kill` (SIGTERM) stops the bench like Ctrl-C: the report is still written.
     previous = signal.signal(signal.SIGTERM, _interrupt)
@@ -173,7 +175,7 @@ def main(argv=None) -> int:
             runner = _runner.Runner(_tasks.TASKS[task], _configs.CONFIGS[config], regime,
                                     steps_of(task))
             for seed in missing:
-                progress.label = f"{task} {regime} {config} seed {seed}"
+                progress.start_run(f"{task} {regime} {config} seed {seed}")
                 t0 = time.perf_counter()
                 row = runner.run(seed, on_step=progress.step)
                 _report.append_row(raw, row)

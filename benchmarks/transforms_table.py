@@ -84,7 +84,43 @@ def main() -> int:
     stat, grad, fp32 = scan_row()
     print(f"{'jax':<9} {'inside':<7} {'scan':<10} {stat:>9.2g} {grad:>9.2g} {fp32:>9.2g}"
           f"   (against the unrolled stack; stat diff with groups='global')")
+    print("\n# an Equinox MLP under jax.vmap(model)(x), and its layers batched: log2 of the "
+          "root group's unit amax")
+    for batch, (per_example, batched) in vmap_rows().items():
+        print(f"batch {batch:>4}: per-example vmap {per_example:7.2f}, batched {batched:7.2f}")
     return 0
+
+
+def vmap_rows(batches=(1, 16, 256)) -> dict:
+    import equinox as eqx
+
+    from adaloss_jax.equinox import eqx_adaptive_value_and_grad
+
+    mlp = eqx.nn.MLP(16, 4, 64, 2, key=jax.random.key(0), dtype=jnp.float16)
+    scaler = alj.adaptive(groups="global")
+    state = alj.adaptive_unscale(scaler).init(eqx.filter(mlp, eqx.is_inexact_array))
+    state = state.with_log2_scales({"": 14})
+    per_example = eqx.filter_jit(eqx_adaptive_value_and_grad(
+        lambda m, x: jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2)))
+    params = [(layer.weight.T, layer.bias) for layer in mlp.layers]
+    layers = [alj.scale_group(f"layers/{i}")(lambda p, h: h @ p[0] + p[1]) for i in range(3)]
+
+    def batched_loss(p, x):
+        h = x
+        for i, layer in enumerate(layers):
+            h = layer(p[i], h)
+            h = jax.nn.relu(h) if i < 2 else h
+        return jnp.mean(h.astype(jnp.float32) ** 2)
+
+    bstate = alj.adaptive_unscale(scaler).init(params).with_log2_scales({"": 14})
+    batched = jax.jit(alj.adaptive_value_and_grad(batched_loss))
+    rng, out = np.random.default_rng(0), {}
+    for b in batches:
+        x = jnp.asarray(rng.normal(size=(b, 16)), jnp.float16)
+        a = float(per_example(state, mlp, x)[2].amax[""])
+        c = float(batched(bstate, params, x)[2].amax[""])
+        out[b] = (np.log2(a) - 14, np.log2(c) - 14)
+    return out
 
 
 def scan_row() -> tuple[float, float, float]:

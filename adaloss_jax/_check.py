@@ -65,7 +65,8 @@ def check_gradients(
       reference_loss_fn: the same loss computed in fp32.
       opt_state: the optimizer state (its scales are used; nothing is updated).
       params: the parameters.
-      *args, **kwargs: the batch, as ``loss_fn`` takes it.
+      *args: the batch, as ``loss_fn`` takes it.
+      **kwargs: keyword arguments of ``loss_fn``.
       rtol: the relative error above which a leaf disagrees.
 
     Returns:

@@ -98,7 +98,8 @@ def train_step(
     Args:
       state: a :class:`TrainState`.
       loss_fn: ``loss_fn(params, *args, **kwargs) -> loss`` (or ``(loss, aux)``).
-      *args, **kwargs: the batch.
+      *args: the batch.
+      **kwargs: keyword arguments of ``loss_fn``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
     Returns:

@@ -69,7 +69,8 @@ def nnx_train_step(
       model: the NNX model.
       optimizer: its :func:`nnx_optimizer`.
       loss_fn: ``loss_fn(model, *args, **kwargs) -> loss`` (or ``(loss, aux)``).
-      *args, **kwargs: the batch.
+      *args: the batch.
+      **kwargs: keyword arguments of ``loss_fn``.
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
     Returns:

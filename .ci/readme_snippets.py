@@ -2,10 +2,11 @@
 process: CI runs it with the wheel's Python from an empty directory, with warnings as
 errors (``python -W error .ci/readme_snippets.py README.md``)."""
 
+import pathlib
 import re
 import sys
 
-text = open(sys.argv[1], encoding="utf-8").read()
+text = pathlib.Path(sys.argv[1]).read_text(encoding="utf-8")
 blocks = re.findall(r"```python\n(.*?)```", text, flags=re.S)
 for i, block in enumerate(blocks):
     exec(compile(block, f"{sys.argv[1]} snippet {i}", "exec"), {"__name__": "__main__"})

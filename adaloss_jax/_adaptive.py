@@ -250,7 +250,7 @@ def adaptive_value_and_grad(
 
         def scaled(param_values, dummies):
             outs = program.evaluate([*param_values, *rest], dummies, ratios)
-            out = jax.tree_util.tree_unflatten(rec.out_tree, outs)
+            out = rec.output(outs)
             loss, aux = out if has_aux else (out, None)
             loss32 = jnp.asarray(loss).astype(jnp.float32)
             return loss32 * _formats.pow2(log2[ROOT]), (loss, aux)

@@ -235,11 +235,13 @@ class Recording(NamedTuple):
     """A loss traced once with its scale points marked.
 
     ``closed`` takes the dynamic leaves of ``(params, args, kwargs)`` (parameters first)
-    and returns the flat outputs of ``fun`` (``out_tree``).
+    and returns the array leaves of ``fun``'s output; :meth:`output` puts them back
+    beside the output's other leaves (a Python ``int`` or ``str`` in ``aux``).
     """
 
     closed: Any  # jax.extend.core.ClosedJaxpr
     out_tree: Any
+    out_static: tuple  # the output's leaves, None where closed returns the value
     dynamic: list  # the input values, in the order of closed's inputs
     n_params: int  # of which the first n_params are the parameter leaves
     param_paths: list  # the parameter leaves' paths
@@ -248,6 +250,12 @@ class Recording(NamedTuple):
     calls: list[Call]
     reported: int
     dtypes: frozenset
+
+    def output(self, values: list) -> Any:
+        """``fun``'s output, from the values ``closed`` returns."""
+        values = iter(values)
+        leaves = [next(values) if s is None else s[0] for s in self.out_static]
+        return jax.tree_util.tree_unflatten(self.out_tree, leaves)
 
 
 def _is_dynamic(x) -> bool:
@@ -266,6 +274,7 @@ def record(fun: Callable, params: Any, args: tuple, kwargs: dict, selects: Calla
     param_dyn = [i for i in dyn if i < n_param_leaves]
     paths = _tree.leaf_paths(params)
     recorder = _Recorder(selects)
+    out = {}
 
     def traced(*values):
         full = list(leaves)
@@ -278,13 +287,17 @@ def record(fun: Callable, params: Any, args: tuple, kwargs: dict, selects: Calla
         recorder.given([full[i] for i in range(n_param_leaves)], paths)
         p, a, k = jax.tree_util.tree_unflatten(treedef, full)
         with recorder, hooks(recorder, extra_hooks):
-            return fun(p, *a, **k)
+            result = fun(p, *a, **k)
+        flat, out["tree"] = jax.tree_util.tree_flatten(result)
+        # Non-array outputs (a count, a name in aux) stay Python values, as in
+        # jax.value_and_grad; boxed so that a None leaf is told from "traced".
+        out["static"] = tuple(None if _is_dynamic(x) else (x,) for x in flat)
+        return [x for x in flat if _is_dynamic(x)]
 
     with _RECORDING(next(_RECORDINGS)):
-        closed, out_shape = jax.make_jaxpr(traced, return_shape=True)(
-            *(leaves[i] for i in dyn))
+        closed = jax.make_jaxpr(traced)(*(leaves[i] for i in dyn))
     return Recording(
-        closed=closed, out_tree=jax.tree_util.tree_structure(out_shape),
+        closed=closed, out_tree=out["tree"], out_static=out["static"],
         dynamic=[leaves[i] for i in dyn], n_params=len(param_dyn),
         param_paths=[paths[i] for i in param_dyn], sizes=recorder.sizes,
         rounding=frozenset(recorder.rounding), calls=recorder.calls,

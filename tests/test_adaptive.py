@@ -757,6 +757,30 @@ def test_the_loss_is_traced_once_per_trace_of_the_step():
     assert len(calls) == 1
 
 
+def test_aux_may_hold_python_values_as_in_jax_value_and_grad():
+    """``aux`` leaves that are not arrays (a count, a name, None) come back as they were
+    given, as jax.value_and_grad returns them; array leaves come back computed."""
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    state = alj.adaptive_unscale(alj.adaptive(groups="module")).init(params)
+
+    def with_aux(p, x, y):
+        return loss16(p, x, y), {"n": 3, "name": "mlp", "none": None, "x0": x[0, 0] * 2}
+
+    seen = {}
+
+    @jax.jit
+    def step(state, params, x, y):
+        (loss, aux), grads, _ = alj.adaptive_value_and_grad(with_aux, has_aux=True)(
+            state, params, x, y)
+        seen.update(n=aux["n"], name=aux["name"], none=aux["none"])  # static at trace time
+        return loss, aux["x0"], grads
+
+    loss, x0, grads = step(state, params, *batch)
+    assert seen == {"n": 3, "name": "mlp", "none": None}
+    assert float(x0) == float(batch[0][0, 0]) * 2
+    assert float(loss) == float(loss16(params, *batch))
+
+
 @pytest.mark.parametrize("name,tiny", [
     ("mlp", 2.0**-12), ("resnet", 2.0**-20),
     pytest.param("gpt_tied_reused_attention", 2.0**-20, marks=SLOW)])

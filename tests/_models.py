@@ -115,3 +115,29 @@ def classification_loss(model, variables, x, y, train=True):
         logits, new = model.apply(variables, x, train=train), {}
     loss = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
     return loss.mean(), new
+
+
+class _ScannedLayer(nn.Module):
+    dtype: object = jnp.float16
+
+    @nn.compact
+    def __call__(self, h, _):
+        shared = nn.Dense(h.shape[-1], dtype=self.dtype)  # called twice per layer
+        h = h + shared(nn.gelu(shared(h)))
+        return nn.LayerNorm(dtype=self.dtype)(h), None
+
+
+class ScannedStack(nn.Module):
+    """Layers stacked with ``nn.scan`` (one compiled body), each with a reused submodule."""
+
+    depth: int = 3
+    width: int = 16
+    dtype: object = jnp.float16
+
+    @nn.compact
+    def __call__(self, x, train=True):
+        h = nn.Dense(self.width, dtype=self.dtype)(x)
+        stack = nn.scan(_ScannedLayer, variable_axes={"params": 0},
+                        split_rngs={"params": True}, length=self.depth)
+        h, _ = stack(dtype=self.dtype)(h, None)
+        return nn.Dense(4, dtype=self.dtype)(h)

@@ -15,6 +15,7 @@ from _models import (
     CNNBatchNorm,
     RecurrentCell,
     ResNet,
+    ScannedStack,
     TinyGPT,
     UNet,
     classification_loss,
@@ -38,6 +39,7 @@ CASES = {
     "unet_concat": (UNet, IMG),
     "gpt_tied_reused_attention": (TinyGPT, TOK),
     "recurrent_cell": (RecurrentCell, VEC),
+    "scanned_stack_shared": (ScannedStack, VEC),
 }
 
 
@@ -782,7 +784,7 @@ def test_aux_may_hold_python_values_as_in_jax_value_and_grad():
 
 
 @pytest.mark.parametrize("name,tiny", [
-    ("mlp", 2.0**-12), ("resnet", 2.0**-20),
+    ("mlp", 2.0**-12), ("resnet", 2.0**-20), ("scanned_stack_shared", 2.0**-20),
     pytest.param("gpt_tied_reused_attention", 2.0**-20, marks=SLOW)])
 @pytest.mark.parametrize("groups", ["module", "global"])
 def test_no_step_is_applied_far_below_the_scale_its_statistics_call_for(name, tiny, groups):

@@ -127,12 +127,9 @@ class _ScannedLayer(nn.Module):
         return nn.LayerNorm(dtype=self.dtype)(h), None
 
 
-class ScannedStack(nn.Module):
-    """Layers stacked with ``nn.scan`` (one compiled body), each with a reused submodule."""
-
-    depth: int = 3
-    width: int = 16
-    dtype: object = jnp.float16
+class ScannedStack(MLP):
+    """The MLP's layers stacked with ``nn.scan`` (one compiled body), each with a reused
+    submodule."""
 
     @nn.compact
     def __call__(self, x, train=True):

@@ -99,10 +99,12 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def fingerprint(tree: Any) -> str:
-    """A short hash of a parameter tree's leaf paths and shapes (not dtypes: fp32 master
-    parameters and their fp16 gradients match)."""
-    shapes = [tuple(getattr(x, "shape", ())) for x in jax.tree_util.tree_leaves(tree)]
-    text = repr(list(zip(_tree.leaf_paths(tree), shapes)))
+    """A short hash of a parameter tree's leaf paths and ranks. Not dtypes (fp32 master
+    parameters and their fp16 gradients match) and not sizes: inside ``shard_map`` a
+    sharded parameter's gradient is its shard, of the full parameter's rank and a smaller
+    size, and a state built by ``tx.init`` on the full parameters must accept it."""
+    ranks = [len(getattr(x, "shape", ())) for x in jax.tree_util.tree_leaves(tree)]
+    text = repr(list(zip(_tree.leaf_paths(tree), ranks)))
     return hashlib.sha1(text.encode()).hexdigest()[:12]
 
 
@@ -113,7 +115,7 @@ def check_fingerprint(expected: str, tree_or_fingerprint: Any, what: str, fix: s
     if got != expected:
         raise ValueError(
             f"{what} belong to another model than this optimizer state (parameter paths or "
-            f"shapes differ: fingerprint {got} != {expected}); {fix}")
+            f"ranks differ: fingerprint {got} != {expected}); {fix}")
 
 
 def _static(**kw):
@@ -139,7 +141,7 @@ class AdaptiveScaleState:
         overflowed at ``min_loss_scale``), ``HEALTH_NOTHING_MEASURED`` (a group measured
         nothing at ``max_loss_scale``). :func:`adaloss_jax.check_health` explains them.
       scaler: the :class:`~adaloss_jax.AdaptiveScale` the state was built with (static).
-      fingerprint: the parameter paths and shapes the state was built for (static).
+      fingerprint: the parameter paths and ranks the state was built for (static).
 
     >>> import adaloss_jax as alj
     >>> st = alj.adaptive_unscale(alj.adaptive(groups="module")).init({"a": {"w": jnp.ones(2)}})

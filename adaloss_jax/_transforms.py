@@ -225,7 +225,7 @@ class SkipNonFiniteState:
 
     Attributes:
       inner_state: the wrapped transformation's state.
-      fingerprint: the parameter paths and shapes it was built for (static): updates of
+      fingerprint: the parameter paths and ranks it was built for (static): updates of
         another model are refused with an error, not a broadcasting one deep inside the
         inner optimizer.
 

@@ -154,3 +154,48 @@ def test_spmd_jit_sharded_batch_equals_single_device(mesh):
     # The skipped step left the sharded run's parameters exactly as they were.
     for k in params:
         np.testing.assert_array_equal(sharded[2][0][k], sharded[1][0][k])
+
+
+# --- tensor-parallel shard_map: a state built on the full parameters -----------------
+
+
+@pytest.mark.parametrize("make_tx", [
+    lambda axis: alj.loss_scaled(optax.sgd(0.1), POLICY, axis_name=axis),
+    lambda axis: alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module"),
+                                     axis_name=axis),
+], ids=["loss_scaled", "adaptive_scaled"])
+def test_state_of_full_parameters_accepts_their_shards(mesh, make_tx):
+    """``tx.init`` on the full parameters, the step under ``shard_map`` with a parameter
+    sharded along its first axis: each device's gradient is its shard (smaller than the
+    parameter the state was built for), and the state takes it. The update equals the
+    one of the same step on one device."""
+    tx, one_tx = make_tx("data"), make_tx(None)
+    adaptive = isinstance(alj.scale_state(tx.init({"w": jnp.zeros(1)})),
+                          alj.AdaptiveScaleState)
+    dense = alj.scale_group("d")(lambda w, x: x @ w)
+    params = {"d": jax.random.normal(jax.random.key(0), (N * 2, 3))}
+    x = jax.random.normal(jax.random.key(1), (5, N * 2))
+
+    def loss_fn(p, x):
+        return jnp.mean(jnp.tanh(jax.lax.psum(dense(p["d"], x), "data")) ** 2)
+
+    def step(p, opt_state, x, vg):
+        loss, grads, stats = vg(loss_fn)(opt_state, p, x)
+        updates, opt_state = tx.update(grads, opt_state, p, loss=loss, scale_stats=stats)
+        return optax.apply_updates(p, updates), opt_state
+
+    vg = alj.adaptive_value_and_grad if adaptive else alj.value_and_grad
+    opt_state = tx.init(params)
+    sharded = jax.jit(jax.shard_map(
+        functools.partial(step, vg=vg), mesh=mesh, in_specs=(P("data"), P(), P(None, "data")),
+        out_specs=(P("data"), P())))
+    new, _ = sharded(jax.device_put(params, NamedSharding(mesh, P("data"))), opt_state,
+                     jax.device_put(x, NamedSharding(mesh, P(None, "data"))))
+
+    def one_loss(p, x):
+        return jnp.mean(jnp.tanh(dense(p["d"], x)) ** 2)
+
+    loss, grads, stats = jax.jit(vg(one_loss))(opt_state, params, x)
+    updates, _ = one_tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)
+    np.testing.assert_allclose(new["d"], optax.apply_updates(params, updates)["d"],
+                               rtol=1e-5, atol=1e-7)

@@ -81,7 +81,7 @@ def test_adaptive_scaled_skips_exactly():
         np.testing.assert_array_equal(a, b)
 
 
-Wide = functools.partial(_models.MLP, depth=1, width=32)  # MLP's module names, other shapes
+Wide = functools.partial(_models.MLP, depth=2, width=32)  # one more layer, other shapes
 
 
 def test_state_statistics_or_gradients_of_another_model_are_refused():

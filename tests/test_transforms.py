@@ -347,7 +347,7 @@ def test_gradients_without_their_scale_statistics_are_refused():
     plain = jax.grad(loss_fn)(params, x, y)
     with pytest.raises(ValueError, match="unscale needs scale_stats"):
         TX.update(plain, opt_state, params)
-    other = {**params, "w1": jnp.zeros((3, 3))}
+    other = {**params, "w9": jnp.zeros((3, 3))}
     _, grads, stats = alj.value_and_grad(loss_fn)(opt_state, params, x, y)
     with pytest.raises(ValueError, match="another model"):
         TX.update(grads, TX.init(other), params, scale_stats=stats)

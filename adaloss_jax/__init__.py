@@ -1,7 +1,5 @@
 """adaloss_jax: loss scaling for fp16/fp8 mixed-precision training in JAX."""
 
-import contextlib as _contextlib
-
 from adaloss_jax._adaptive import (
     adaptive_scaled,
     adaptive_unscale,
@@ -49,8 +47,13 @@ from adaloss_jax._transforms import (
 
 # Front ends register the hooks through which their frameworks report module calls (the
 # core imports no framework); linen's is registered here when flax is installed.
-with _contextlib.suppress(ImportError):
+try:
+    import flax.linen as _linen
+except ImportError:  # no flax: nothing to register
+    _linen = None
+if _linen is not None:  # an error inside the hook itself is raised, not hidden
     import adaloss_jax.flax._linen_hook  # noqa: F401
+del _linen
 
 __version__ = "0.2.0"
 

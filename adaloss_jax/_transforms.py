@@ -399,6 +399,10 @@ def value_and_grad(
       :func:`unscale` needs: ``tx.update(grads, opt_state, params, loss=loss,
       scale_stats=stats)``.
 
+    Raises:
+      TypeError: (from ``g``) for the state of an adaptive scaler, whose gradients
+        :func:`adaloss_jax.adaptive_value_and_grad` computes.
+
     >>> import optax
     >>> tx = loss_scaled(optax.sgd(1.0), _policies.static(4.0))
     >>> params = {"w": jnp.ones(2)}
@@ -409,7 +413,13 @@ def value_and_grad(
     """
 
     def wrapped(opt_state, *args, **kwargs):
-        scale = scale_state(opt_state).loss_scale
+        state = scale_state(opt_state)
+        if isinstance(state, _state.AdaptiveScaleState):
+            raise TypeError(
+                "value_and_grad scales the loss by one global scale, and this optimizer "
+                "state holds per-group adaptive scales; use "
+                "adaloss_jax.adaptive_value_and_grad(fun) with adaptive_unscale")
+        scale = state.loss_scale
 
         def scaled(*a, **k):
             out = fun(*a, **k)

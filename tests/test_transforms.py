@@ -373,3 +373,15 @@ def test_loss_side_helpers():
     assert int(aux["n"]) == 3
     assert tree_equal(grads, manual)
     assert tree_equal(jax.tree_util.tree_map(lambda g: g / scale, grads), GRAD(params, x, y))
+
+
+def test_an_adaptive_state_is_refused_where_one_global_scale_is_read():
+    """The global gradient function and the probes read one scale; an adaptive state
+    holds one per group, and taking its root's would be silently wrong."""
+    params = init_params()
+    x, y = (b[0] for b in batches(1))
+    state = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive()).init(params)
+    with pytest.raises(TypeError, match="adaptive_value_and_grad"):
+        alj.value_and_grad(loss_fn)(state, params, x, y)
+    with pytest.raises(TypeError, match="scale_table"):
+        alj.numerics.loss_scale_of(state)

@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from adaloss_jax import _formats, _transforms, _tree, _validation
+from adaloss_jax._state import AdaptiveScaleState
 from adaloss_jax.numerics import _taps
 from adaloss_jax.numerics._stats import tensor_stats
 from adaloss_jax.numerics._table import ProbeRow
@@ -67,7 +68,8 @@ def loss_scale_of(scale: Any) -> jax.Array:
       An fp32 scalar.
 
     Raises:
-      TypeError / ValueError: for anything else, naming what it got.
+      TypeError / ValueError: for anything else (an adaptive scaler's state, whose groups
+        have scales of their own, included), naming what it got.
 
     >>> float(loss_scale_of(2.0**10))
     1024.0
@@ -84,12 +86,18 @@ def loss_scale_of(scale: Any) -> jax.Array:
             )
         return jnp.asarray(scale, jnp.float32)
     try:
-        return _transforms.scale_state(scale).loss_scale
+        state = _transforms.scale_state(scale)
     except ValueError as e:
         raise TypeError(
             f"scale must be a number, a scalar array, a LossScaleState or an optimizer "
             f"state holding one, got {type(scale).__name__}; ({e})"
         ) from e
+    if isinstance(state, AdaptiveScaleState):
+        raise TypeError(
+            "scale is the state of an adaptive scaler, whose groups each have their own "
+            "scale; measure them with adaloss_jax.scale_table(opt_state), or pass one "
+            "number, e.g. scale=state.loss_scale for the root's")
+    return state.loss_scale
 
 
 def _scales_like(scales: Any, names: list[str], treedef, what: str) -> list[Any]:

@@ -43,6 +43,8 @@ from adaloss_jax._state import (
     check_fingerprint,
     fingerprint,
     initial_state,
+    slot_name,
+    split_slot,
 )
 from adaloss_jax._tree import ROOT
 
@@ -75,7 +77,37 @@ def param_groups(params: Any, scaler: AdaptiveScale) -> list[str]:
     ['', 'Dense_0', 'Dense_1']
     """
     groups = {ROOT} | {scaler.group_of(o) for o in _owner_paths(params)}
+    for g, n in stack_lengths(params, scaler).items():
+        groups |= {slot_name(g, i) for i in range(n)}
     return sorted(groups, key=_tree.natural)
+
+
+MAX_STACK = 1024  # the deepest stack of layers that gets a scale per layer
+
+
+def stack_lengths(params: Any, scaler: AdaptiveScale) -> dict[str, int]:
+    """The groups that may be a stack of layers run by a scan, and their depth ``n``:
+    every floating leaf of the group has at least two dimensions and the same leading
+    one (``2 <= n <= MAX_STACK``), and the group holds a leaf of three or more
+    dimensions or several leaves (one matrix alone, a plain layer's weight or an
+    embedding, is not taken for a stack). Such a group gets a slot ``g[i]`` per layer
+    besides its own scale: the gradient function uses the slots where the trace shows
+    the leaves scanned over, and the group's own scale anywhere else."""
+    if scaler.groups != "module":
+        return {}
+    shapes: dict[str, list] = {}
+    for path, leaf in zip(_tree.leaf_paths(params), jax.tree_util.tree_leaves(params)):
+        if len(path) > 1 and _tree.is_float(leaf):
+            shapes.setdefault(scaler.group_of(path[:-1]), []).append(
+                tuple(getattr(leaf, "shape", ())))
+    out = {}
+    for g, ss in shapes.items():
+        lead = {s[0] if len(s) >= 2 else None for s in ss}
+        n = next(iter(lead))
+        if (len(lead) == 1 and n is not None and 2 <= n <= MAX_STACK
+                and (len(ss) > 1 or len(ss[0]) >= 3)):
+            out[g] = n
+    return out
 
 
 def leaf_group(path: tuple[str, ...], active, scaler: AdaptiveScale) -> str:
@@ -155,9 +187,10 @@ def _check_recording(rec: _record.Recording, scaler: AdaptiveScale, owners: set,
     return group_calls if scaler.groups == "module" else set()
 
 
-def _plan(rec: _record.Recording, scaler: AdaptiveScale, owners: list) -> _stream.Plan:
+def _plan(rec: _record.Recording, scaler: AdaptiveScale, owners: list,
+          stacks: dict) -> _stream.Plan:
     keep = rec.rounding if scaler.simulate else frozenset()
-    plan = _stream.analyse(rec.closed.jaxpr, rec.sizes, owners, keep=keep)
+    plan = _stream.analyse(rec.closed.jaxpr, rec.sizes, owners, keep=keep, stacks=stacks)
     if scaler.groups == "module":
         return plan
     # One group: every point measures at the root scale and converts nothing.
@@ -182,8 +215,12 @@ def trace(fun, scaler: AdaptiveScale, params, args: tuple, kwargs: dict, hooks=(
     active = {ROOT} | _check_recording(rec, scaler, owners_all, deep)
     floats = [i for i, x in enumerate(rec.dynamic[:rec.n_params]) if _tree.is_float(x)]
     owners = [leaf_group(rec.param_paths[i], active, scaler) for i in floats]
-    program = _apply.Program(rec.closed, _plan(rec, scaler, owners), scaler, rec.rounding,
-                             owners)
+    stacks = stack_lengths(params, scaler)
+    plan = _plan(rec, scaler, owners, stacks)
+    program = _apply.Program(rec.closed, plan, scaler, rec.rounding, owners)
+    # A group scanned over as a stack of layers is used as its slots, a scale per layer.
+    for g in plan.stacked & active:
+        active = (active - {g}) | {slot_name(g, i) for i in range(stacks[g])}
     return rec, program, sorted(active, key=_tree.natural)
 
 
@@ -258,9 +295,15 @@ def adaptive_value_and_grad(
         (_, (loss, aux)), (g_values, rows) = jax.value_and_grad(
             scaled, argnums=(0, 1), has_aux=True)(rec.dynamic[:rec.n_params], dummies)
         grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), g_values)
-        rows = [_channel.reduce_rows(r, range(len(s.lead))) for r, s in zip(rows, sites)]
-        stats = _channel.decode([s.row for s in sites], rows, groups, log2, sigma,
-                                program.columns, scaler.format.max)
+        specs, values = [], []
+        for r, s in zip(rows, sites):
+            axes = [a for a in range(len(s.lead)) if a != s.layer_axis]
+            values.append(_channel.reduce_rows(r, axes))
+            specs += ([s.row] if s.layer_axis is None else  # a row per layer
+                      [_channel.Row(_stream.at(s.row.y, i), _stream.at(s.row.x, i),
+                                    s.row.y_max, s.row.x_max) for i in range(s.lead[s.layer_axis])])
+        stats = _channel.decode(specs, values, groups, log2, sigma, program.columns,
+                                scaler.format.max)
         stats = dataclasses.replace(stats, fingerprint=fingerprint(params))
         return ((loss, aux) if has_aux else loss), grads, stats
 
@@ -313,25 +356,36 @@ def _check_update(state: AdaptiveScaleState, scaler: AdaptiveScale, updates,
 
 
 def _unscale(updates, stats: ScaleStats, scaler: AdaptiveScale, state: AdaptiveScaleState):
-    """Each leaf in fp32 divided by its group's scale, and each state group's largest
-    gradient magnitude at that scale (inf where a gradient is not finite)."""
-    active = stats.log2_scales.names
+    """Each leaf in fp32 divided by its group's scale (a stack of layers: each slice by
+    its layer's), and each state group's largest gradient magnitude at that scale (inf
+    where a gradient is not finite)."""
+    active = set(stats.log2_scales.names)
+    stacked = {b[0] for b in map(split_slot, active) if b is not None}
     leaves, treedef = jax.tree_util.tree_flatten(updates)
-    leaf_groups = [leaf_group(p, set(active), scaler) for p in _tree.leaf_paths(updates)]
-    used = dict(stats.log2_scales)
-    inv = {g: _formats.pow2(-used[g]) for g in sorted(set(leaf_groups), key=_tree.natural)}
-    out, leaf_max = [], []
+    leaf_groups = [leaf_group(p, active | stacked, scaler)
+                   for p in _tree.leaf_paths(updates)]
+    inv = {g: _formats.pow2(-(stats.log2_scales.stacked(g) if g in stacked
+                              else stats.log2_scales[g]))
+           for g in sorted(set(leaf_groups), key=_tree.natural)}
+    out, leaf_max, index = [], [], []
     for g, leaf in zip(leaf_groups, leaves):
         x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
         # Non-finite elements enter the max as inf (XLA's CPU max can drop a NaN).
         mag = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.asarray(jnp.inf, x.dtype))
-        leaf_max.append(jnp.max(mag, initial=0.0).astype(jnp.float32))
+        if g in stacked:  # slice i of the leaf is layer i's
+            n = inv[g].shape[-1]
+            leaf_max.append(jnp.max(mag.reshape(n, -1), axis=1, initial=0.0))
+            index += [state.groups.index(slot_name(g, i)) for i in range(n)]
+            out.append(x * inv[g].reshape((n,) + (1,) * (x.ndim - 1)))
+            continue
+        leaf_max.append(jnp.max(mag, initial=0.0)[None])
+        index.append(state.groups.index(g))
         out.append(x * inv[g])
     ng = len(state.groups)
     p_amax = jnp.zeros((ng,), jnp.float32)
     if leaves:
-        p_amax = jax.ops.segment_max(
-            jnp.stack(leaf_max), jnp.asarray([state.groups.index(g) for g in leaf_groups]), ng)
+        p_amax = jax.ops.segment_max(jnp.concatenate(leaf_max).astype(jnp.float32),
+                                     jnp.asarray(index), ng)
         p_amax = jnp.maximum(p_amax, 0.0)
     return jax.tree_util.tree_unflatten(treedef, out), p_amax
 

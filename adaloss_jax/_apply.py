@@ -28,7 +28,8 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 
 from adaloss_jax import _channel, _formats, _jaxpr
-from adaloss_jax._stream import Plan
+from adaloss_jax._state import slot_name
+from adaloss_jax._stream import Plan, Steps
 from adaloss_jax._transforms import min_once
 
 
@@ -39,8 +40,9 @@ class Site(NamedTuple):
     members: tuple[int, ...]  # its floating leaves in this row
     pair: tuple  # (x anchors, y anchors): the ratio it converts by
     cfg: _channel.PointConfig
-    row: _channel.Row
+    row: _channel.Row  # its anchors Steps where they vary by layer
     lead: tuple[int, ...] = ()  # stacked dimensions (the lengths of enclosing scans)
+    layer_axis: int | None = None  # the one of them along a stack of layers
 
 
 class Program:
@@ -61,6 +63,14 @@ class Program:
         self.scaler = scaler
         self.rounding = rounding
         self.param_owners = tuple(param_owners)
+        # The conversion of each parameter leaf read at another scale than its own.
+        self.param_pairs = []
+        for owner, uses in zip(self.param_owners, plan.params):
+            if isinstance(uses, Steps):
+                own = Steps([(slot_name(owner, i),) for i in range(len(uses))])
+                self.param_pairs.append(None if own == uses else (own, uses))
+            else:
+                self.param_pairs.append(None if uses in (None, (owner,)) else ((owner,), uses))
         self.columns = _channel.Columns.of(scaler)
         self.reader = _jaxpr.Reader()
         self._memo: dict[int, tuple[list[Site], Any]] = {}
@@ -103,7 +113,10 @@ class Program:
                         out += self._sites_of(sub.jaxpr)
                 elif kind in (_jaxpr.SCAN, _jaxpr.SHARD_MAP):  # a row per iteration, device
                     n = eqn.params["length"] if kind == _jaxpr.SCAN else _devices(eqn.params)
-                    out += [s._replace(lead=(n, *s.lead))
+                    layers = id(eqn) in self.plan.scans
+                    out += [s._replace(lead=(n, *s.lead), layer_axis=(
+                                0 if layers and _varies(s.pair)
+                                else None if s.layer_axis is None else s.layer_axis + 1))
                             for s in self._sites_of(_jaxpr.subprograms(eqn)[0].jaxpr)]
             self._memo[key] = (out, jaxpr)
         return self._memo[key][0]
@@ -116,9 +129,8 @@ class Program:
         """Every ``(x anchors, y anchors)`` pair a conversion or a row refers to, sorted
         (every process of a multi-controller run must trace the same program)."""
         pairs = {s.pair for s in self.sites()}
-        pairs |= {((o,), u) for o, u in zip(self.param_owners, self.plan.params)
-                  if u is not None}
-        return sorted(pairs)
+        pairs |= {p for p in self.param_pairs if p is not None}
+        return sorted(pairs, key=repr)
 
     # ---------------------------------------------------------------- evaluation
 
@@ -181,9 +193,11 @@ class Program:
 
     def _convert_params(self, ins, ratios) -> list:
         outs = list(ins)
-        for i, (owner, uses) in enumerate(zip(self.param_owners, self.plan.params)):
-            if uses is not None and uses != (owner,):
-                outs[i] = _channel.convert_param(ins[i], ratios[((owner,), uses)])
+        for i, pair in enumerate(self.param_pairs):
+            if pair is not None:  # (a stack of layers: a ratio per slice)
+                r = ratios[pair]
+                outs[i] = _channel.convert_param(ins[i], r.reshape(r.shape + (1,) * (
+                    ins[i].ndim - r.ndim)))
         return outs
 
     def _higher_order(self, kind, eqn, ins, subs, blocks, ratios) -> list:
@@ -203,7 +217,7 @@ class Program:
         if kind == _jaxpr.SHARD_MAP:
             return self._shard_map(p, ins, subs[0], blocks[0], ratios)
         assert kind == _jaxpr.SCAN, kind
-        return self._scan(p, ins, subs[0], blocks[0], ratios)
+        return self._scan(eqn, ins, subs[0], blocks[0], ratios)
 
     def _shard_map(self, p, ins, sub, block, ratios) -> list:
         """Rebuilt with the same specs; each row's dummy enters split over the devices
@@ -224,19 +238,33 @@ class Program:
                              out_specs=p["out_specs"], check_vma=p["check_vma"],
                              axis_names=set(axes))(*ins, *block)
 
-    def _scan(self, p, ins, sub, block, ratios) -> list:
+    def _scan(self, eqn, ins, sub, block, ratios) -> list:
+        """Rebuilt with the same length, direction and unrolling; over a stack of layers
+        the ratios that vary by layer enter as scanned inputs, a value per layer."""
+        p = eqn.params
         nc, ncar = p["num_consts"], p["num_carry"]
         consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+        layered = []
+        if id(eqn) in self.plan.scans:
+            layered = sorted({s.pair for s in self._sites_of(sub.jaxpr) if _varies(s.pair)
+                              and s.cfg.convert}, key=repr)
 
         def step(carry, x):
-            xs_i, rows_i = x
+            xs_i, rows_i, ratios_i = x
+            here = {**ratios, **dict(zip(layered, ratios_i))}
             outs = self._eval(sub.jaxpr, sub.consts, [*consts, *carry, *xs_i], list(rows_i),
-                              ratios)
+                              here)
             return outs[:ncar], outs[ncar:]
 
-        carry, ys = jax.lax.scan(step, list(init), (list(xs), list(block)),
+        carry, ys = jax.lax.scan(step, list(init), (list(xs), list(block),
+                                                     [ratios[q] for q in layered]),
                                  length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
         return [*carry, *ys]
+
+
+def _varies(pair) -> bool:
+    """Whether a pair of anchors differs from layer to layer of a stack."""
+    return any(isinstance(a, Steps) for a in pair)
 
 
 def _manual_axes(params) -> frozenset:
@@ -281,8 +309,10 @@ def anchor_scales(log2: dict, pairs: Sequence[tuple]) -> tuple[dict, dict]:
     residual stream the anchor sets grow by a block's groups per layer, so each layer's
     min has the same shape (compiled once) instead of a chain over every group below it.
     """
+    layered = {a for pair in pairs for a in pair if isinstance(a, Steps)}
+    plain = {a for pair in pairs for a in pair if not isinstance(a, Steps)}
     sigma: dict = {}
-    for a in sorted({a for pair in pairs for a in pair}, key=len):
+    for a in sorted(plain | {x for s in layered for x in s}, key=len):
         if len(a) == 1:
             sigma[a] = log2[a[0]]
             continue
@@ -294,7 +324,10 @@ def anchor_scales(log2: dict, pairs: Sequence[tuple]) -> tuple[dict, dict]:
     # once, as its own small kernel, where it would copy ``pow2(sx - sy)`` into every
     # kernel that converts a cotangent; those kernels then differ only in the buffer they
     # read the ratio from, and identical kernels (one per layer) are compiled once.
+    for a in layered:  # a value per layer
+        sigma[a] = jnp.stack([sigma[x] for x in a])
     converted = dict.fromkeys(a for x, y in pairs if x != y for a in (x, y))
     scale = {a: _formats.pow2(sigma[a]) for a in converted}
     ratios = {(x, y): scale[x] / scale[y] for x, y in pairs if x != y}
     return sigma, ratios
+

@@ -248,7 +248,8 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], groups: Sequence[st
 
     Args:
       rows: the static description of each row, in the order of ``values``.
-      values: each row's array (stacked rows already reduced: :func:`reduce_rows`).
+      values: each row's array (stacked rows already reduced: :func:`reduce_rows`), or
+        several rows' as one array (a row per layer of a stack: ``(layers, width)``).
       groups: the groups in use.
       log2: ``{group: log2 scale}`` of each.
       sigma: ``{anchor set: log2 scale}`` of every anchor set of ``rows``.
@@ -273,7 +274,7 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], groups: Sequence[st
     sets = sorted({r.y for r in rows} | {r.x for r in rows})
     si = {a: i for i, a in enumerate(sets)}
     ns = len(sets)
-    m = jnp.stack(list(values))
+    m = jnp.concatenate([v.reshape(-1, v.shape[-1]) for v in values])
     amax_r = m[:, _AMAX]
     m = m.at[:, _AMAX].set(jnp.where(jnp.isnan(amax_r), jnp.inf, amax_r))
     # Attributions: each row counts for every group anchoring either of its sides.

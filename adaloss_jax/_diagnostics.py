@@ -16,18 +16,32 @@ from adaloss_jax._state import (
     HEALTH_PINNED_LOW,
     HEALTH_SKIPPING,
     AdaptiveScaleState,
+    split_slot,
 )
 
 
 def _groups(tree: Any) -> tuple[Any, list[tuple[str, float, float, bool]]]:
     """The scaler state and ``(group, log2 scale, log2 unit amax, overflowed)`` rows; a
-    global scaler is one group, the root, with nothing measured."""
+    global scaler is one group, the root, with nothing measured. A stack's slots
+    (``g[0]``, ``g[1]``, ...) are rows once one of them was measured; until then its
+    own scale is."""
     st = jax.device_get(_transforms.scale_state(tree))
     if not isinstance(st, AdaptiveScaleState):
         overflowed = not bool(st.last_applied) and int(st.total_skipped) > 0
         return st, [(_tree.ROOT, math.log2(float(st.loss_scale)), -math.inf, overflowed)]
-    return st, [(g, float(st.log2_scales[g]), float(st.log2_amax[g]), bool(st.overflowed[g]))
-                for g in st.groups]
+    rows = [(g, float(st.log2_scales[g]), float(st.log2_amax[g]), bool(st.overflowed[g]))
+            for g in st.groups]
+    # A group that may be a stack of layers has a slot per layer besides its own scale;
+    # the ones its scans used are shown (the slots once any was measured, else the group).
+    by_layer = {}
+    for g, _, a, _ in rows:
+        slot = split_slot(g)
+        if slot is not None:
+            by_layer[slot[0]] = by_layer.get(slot[0], False) or a > -math.inf
+    measured = {g for g, _, a, _ in rows if a > -math.inf}
+    return st, [r for r in rows if not (
+        (split_slot(r[0]) is not None and not by_layer.get(split_slot(r[0])[0], True))
+        or (by_layer.get(r[0]) and r[0] not in measured))]
 
 
 def scale_summary(tree: Any) -> dict:

@@ -24,6 +24,34 @@ from adaloss_jax._policies import initial_state as base_state
 HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
 
 
+def slot_name(group: str, i: int) -> str:
+    """The name of iteration ``i``'s scale group of a stacked group (``stack[3]``)."""
+    return f"{group}[{i}]"
+
+
+def split_slot(name: str) -> tuple[str, int] | None:
+    """``("stack", 3)`` for ``"stack[3]"``, None for any other name."""
+    if not name.endswith("]") or "[" not in name:
+        return None
+    base, _, i = name[:-1].rpartition("[")
+    return (base, int(i)) if i.isdigit() else None
+
+
+def _runs(names: tuple[str, ...]) -> tuple[tuple[int, int, bool], ...]:
+    """``(start, stop, stacked)`` per stored part: a stacked group's slots ``g[0]``,
+    ``g[1]``, ... (consecutive) are one part, any other name is a part of its own."""
+    runs, i = [], 0
+    while i < len(names):
+        j = i + 1
+        first = split_slot(names[i])
+        if first is not None and first[1] == 0:
+            while j < len(names) and split_slot(names[j]) == (first[0], j - i):
+                j += 1
+        runs.append((i, j, first is not None and first[1] == 0))
+        i = j
+    return tuple(runs)
+
+
 class GroupVector(Mapping):
     """One value per scale group: ``v["Dense_0"]`` reads a group's value, iteration gives
     the group names (a read-only ``Mapping``) and ``v.array`` all values, the groups along
@@ -32,14 +60,16 @@ class GroupVector(Mapping):
 
     Attributes:
       names: the groups, in model order (static).
-      parts: the values: one array (groups along its last axis), or one per group.
+      parts: the values: one array (groups along its last axis), or one per group (the
+        slots ``g[0]``, ``g[1]``, ... of a stacked group: one array of them).
       split: which of the two.
 
     A pytree whose leaves (``parts``) are the values, held as one array, or with
     ``split=True`` as one array per group. The scales are held split: the backward pass
     reads each group's scale on its own, and a value sliced out of a vector would make
-    every kernel that reads it a kernel of its own (one per layer, each compiled); the
-    other fields are read all at once and held as one array (one output of the step).
+    every kernel that reads it a kernel of its own (one per layer, each compiled); a
+    stacked group's slots are read together, as one vector along a scan. The other
+    fields are read all at once and held as one array (one output of the step).
 
     >>> v = GroupVector(("", "Dense_0"), jnp.array([3.0, 5.0]))
     >>> float(v["Dense_0"]), list(v)
@@ -48,19 +78,28 @@ class GroupVector(Mapping):
     2
     """
 
-    __slots__ = ("names", "parts", "split")
+    __slots__ = ("names", "parts", "split", "_runs")
 
     def __init__(self, names, array, *, split: bool = False):
         self.names = tuple(names)
         self.split = split
-        if split and not isinstance(array, tuple | list):
-            array = tuple(array[..., i] for i in range(len(self.names)))
+        self._runs = _runs(self.names) if split else ()
+        if split and isinstance(array, tuple | list) and len(array) == len(self.names):
+            array = tuple(jnp.stack(array[a:b], axis=-1) if stacked else array[a]
+                          for a, b, stacked in self._runs)
+        elif split and not isinstance(array, tuple | list):
+            array = tuple(array[..., a:b] if stacked else array[..., a]
+                          for a, b, stacked in self._runs)
         self.parts = tuple(array) if split else array
 
     @property
     def array(self) -> jax.Array:
         """Every group's value, the groups along the last axis."""
-        return jnp.stack(self.parts, axis=-1) if self.split else self.parts
+        if not self.split:
+            return self.parts
+        return jnp.concatenate([p if stacked else p[..., None]
+                                for p, (_, _, stacked) in zip(self.parts, self._runs)],
+                               axis=-1)
 
     def index(self, name: str) -> int:
         """The position of group ``name`` along the last axis."""
@@ -69,9 +108,24 @@ class GroupVector(Mapping):
         except ValueError:
             raise KeyError(name) from None
 
+    def stacked(self, group: str) -> jax.Array:
+        """The slots ``group[0]``, ``group[1]``, ... as one array (along the last axis)."""
+        i = self.index(slot_name(group, 0))
+        if self.split:
+            for p, (a, _, stacked) in zip(self.parts, self._runs):
+                if a == i and stacked:
+                    return p
+        n = sum(1 for g in self.names if (split_slot(g) or ("",))[0] == group)
+        return self.array[..., i:i + n]
+
     def __getitem__(self, name):
         i = self.index(name)
-        return self.parts[i] if self.split else self.parts[..., i]
+        if not self.split:
+            return self.parts[..., i]
+        for p, (a, b, stacked) in zip(self.parts, self._runs):
+            if a <= i < b:
+                return p[..., i - a] if stacked else p
+        raise KeyError(name)
 
     def __iter__(self):
         return iter(self.names)
@@ -85,7 +139,9 @@ class GroupVector(Mapping):
 
 def _flatten(v):
     if v.split:
-        return tuple((jax.tree_util.DictKey(g), x) for g, x in zip(v.names, v.parts)), (
+        keys = [split_slot(v.names[a])[0] + "[:]" if stacked else v.names[a]
+                for a, _, stacked in v._runs]
+        return tuple((jax.tree_util.DictKey(k), x) for k, x in zip(keys, v.parts)), (
             v.names, True)
     return ((jax.tree_util.GetAttrKey("array"), v.parts),), (v.names, False)
 

@@ -32,33 +32,57 @@ points inside it included.
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import jax.extend.core as jcore
 
 from adaloss_jax import _jaxpr
+from adaloss_jax._state import slot_name
 from adaloss_jax._tree import ROOT, is_differentiable
+
+
+class Steps(tuple):
+    """Anchors that differ from layer to layer of a scanned stack: ``steps[i]`` are the
+    anchors at slice ``i`` of the scan (its ``i``-th layer, whatever the direction)."""
+
+
+def at(anchors, i: int):
+    """The anchors at slice ``i``: ``anchors[i]`` for :class:`Steps`, else ``anchors``."""
+    return anchors[i] if isinstance(anchors, Steps) else anchors
+
+
+def _steps(per_slice: list):
+    """:class:`Steps` of ``per_slice``, or its one value where every slice has the same."""
+    return per_slice[0] if all(a == per_slice[0] for a in per_slice) else Steps(per_slice)
 
 
 class PointPlan(NamedTuple):
     """Static plan of one scale point: per floating leaf, the anchors of the region on the
     producer side ``x`` (where the converted cotangent goes) and on the consumer side ``y``
-    (where it arrives from). ``None`` for a point that is not applied: one the program
+    (where it arrives from); :class:`Steps` inside a scan over a stack of layers where
+    they differ by layer. ``None`` for a point that is not applied: one the program
     does not hold whole (a trace a transform made and dropped), one only inside opaque
     equations (:mod:`adaloss_jax._jaxpr`), or one that would only repeat the measurement
     of the point feeding it (:func:`analyse`)."""
 
-    x: tuple[tuple[str, ...] | None, ...] | None
-    y: tuple[tuple[str, ...] | None, ...] | None  # None for a leaf computed from the
-    # parameters alone (no data): it passes the point unmarked, as a parameter does
+    x: tuple | None
+    y: tuple | None  # None for a leaf computed from the parameters alone (no data): it
+    # passes the point unmarked, as a parameter does
 
 
 class Plan(NamedTuple):
     points: tuple[PointPlan, ...]  # by point number (trace order)
-    params: tuple[tuple[str, ...] | None, ...]  # per parameter leaf: anchors of its uses
+    params: tuple  # per parameter leaf: anchors of its uses (Steps for a scanned stack's)
+    stacked: frozenset = frozenset()  # the groups that get a scale per layer
+    scans: dict = {}  # id(scan equation) -> its length, for the scans over those groups
+
+
+def _raw(k):
+    return k[0] if type(k) is tuple else k
 
 
 def _var(v) -> bool:
+    v = _raw(v)
     return not isinstance(v, jcore.Literal | jcore.DropVar) and is_differentiable(v)
 
 
@@ -93,12 +117,22 @@ _CONST, _PARAMS, _DATA = range(3)  # what a variable is computed from
 
 
 class _Walker:
-    """Unions the floating variables of a jaxpr into regions, cutting at scale points."""
+    """Unions the floating variables of a jaxpr into regions, cutting at scale points.
 
-    def __init__(self):
+    A variable is keyed by itself, or inside a scan over a stack of layers by
+    ``(variable, ((id(scan), slice),))``: such a scan's body is walked once per layer, as
+    if it were unrolled, so that each layer's regions are its own. That scan is one over
+    the leaves of groups in ``stacks`` (``{group: depth}``), each leaf read by nothing
+    else and scanned over as it is (``xs``), with as many iterations as the group has
+    layers; not inside another such scan.
+    """
+
+    def __init__(self, param_owners: Sequence[str | None] = (), stacks=None):
         self.uf = _UnionFind()
         self.reader = _jaxpr.Reader()
-        self.points: dict[int, list[list[tuple[object, object]]]] = {}  # n -> occurrences
+        self.ctx: tuple = ()
+        # n -> per occurrence: (context, per leaf: (x key, y key))
+        self.points: dict[int, list[tuple[tuple, list[tuple[object, object]]]]] = {}
         self.blobbed: set[int] = set()  # points met inside an opaque equation
         self.param_pairs: list[tuple[object, object]] = []
         # n -> per occurrence, per leaf: the point whose output the leaf's input is, in
@@ -110,20 +144,33 @@ class _Walker:
         # of a jaxpr walked several times keeps the most data-like answer.
         self.source: dict = {}
         self.passed: dict[int, set[int]] = {}  # n -> its leaves that pass unmarked
+        self.owners = list(param_owners)
+        self.stacks = dict(stacks or {})
+        self.param_of: dict = {}  # key of a parameter leaf as it is -> its index
+        self.sliced: dict[int, dict[int, object]] = {}  # parameter -> slice -> key
+        self.scans: dict[int, tuple[int, Any]] = {}  # id(scan) -> (length, equation)
 
-    def _source(self, v) -> int:
-        return _CONST if isinstance(v, jcore.Literal) else self.source.get(v, _DATA)
+    def key(self, v, ctx=None):
+        ctx = self.ctx if ctx is None else ctx
+        return (v, ctx) if ctx and not isinstance(v, jcore.Literal) else v
 
-    def _mark(self, vs, source: int) -> None:
-        for v in vs:
-            if not isinstance(v, jcore.Literal | jcore.DropVar):
-                self.source[v] = max(self.source.get(v, _CONST), source)
+    def union(self, *vs) -> None:
+        """Joins raw variables (in the current context) and keys (tuples, ``_NOWHERE``)."""
+        self.uf.union(v if type(v) is tuple or v is _NOWHERE else self.key(v) for v in vs)
+
+    def _source(self, k) -> int:
+        return _CONST if isinstance(_raw(k), jcore.Literal) else self.source.get(k, _DATA)
+
+    def _mark(self, keys, source: int) -> None:
+        for k in keys:
+            if not isinstance(_raw(k), jcore.Literal | jcore.DropVar):
+                self.source[k] = max(self.source.get(k, _CONST), source)
 
     def _computed(self, ins) -> int:
-        return max((self._source(v) for v in ins), default=_CONST)
+        return max((self._source(self.key(v)) for v in ins), default=_CONST)
 
     def walk(self, jaxpr, blob=None) -> None:
-        uf = self.uf
+        key = self.key
         uses: dict = {}
         for v in [*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars]:
             if not isinstance(v, jcore.Literal):
@@ -134,78 +181,147 @@ class _Walker:
             ins, outs = list(eqn.invars), list(eqn.outvars)
             if kind == _jaxpr.POINT:
                 n = _jaxpr.point_number(eqn)
-                pairs = list(zip(ins, outs))
-                for v, o in pairs:
-                    self._mark([o], self._source(v))
+                pairs = [(key(v), key(o)) for v, o in zip(ins, outs)]
+                for kv, ko in pairs:
+                    self._mark([ko], self._source(kv))
                 if blob is not None:  # inside an opaque derivative: no cut
-                    uf.union([blob] + ins + outs)
+                    self.union(blob, *ins, *outs)
                     self.blobbed.add(n)
                     continue
-                passed = {i for i, (v, _) in enumerate(pairs) if self._source(v) == _PARAMS}
+                passed = {i for i, (kv, _) in enumerate(pairs)
+                          if self._source(kv) == _PARAMS}
                 for i in passed:
-                    uf.union(pairs[i])
+                    self.union(*pairs[i])
                 self.passed[n] = self.passed.get(n, passed) & passed
-                self.points.setdefault(n, []).append(pairs)
+                self.points.setdefault(n, []).append((self.ctx, pairs))
                 self.fed.setdefault(n, []).append(
                     [point_out.get(v) if uses.get(v) == 1 else None for v in ins])
                 point_out.update(dict.fromkeys(outs, n))
                 continue
             if kind == _jaxpr.PARAMS:
-                self.param_pairs = list(zip(ins, outs))
-                self._mark(outs, _PARAMS)
+                self.param_pairs = [(key(v), key(o)) for v, o in zip(ins, outs)]
+                self._mark(map(key, outs), _PARAMS)
+                self.param_of.update({key(o): j for j, o in enumerate(outs)
+                                      if uses.get(o) == 1})
                 continue
             if kind in (_jaxpr.PLAIN, _jaxpr.OPAQUE) or blob is not None:
-                self._mark(outs, self._computed(ins))
+                self._mark(map(key, outs), self._computed(ins))
             if kind == _jaxpr.PLAIN:
                 # Not walked: jax shares the jaxpr of, e.g., a jitted activation between
                 # all its call sites, and its variables would join them.
-                uf.union(([] if blob is None else [blob]) + ins + outs)
+                self.union(*([] if blob is None else [blob]), *ins, *outs)
                 continue
             subs = _jaxpr.subprograms(eqn)
             if blob is None and kind != _jaxpr.OPAQUE:
-                self._structured(eqn, kind, [s.jaxpr for s in subs])
+                self._structured(eqn, kind, [s.jaxpr for s in subs], uses)
                 continue
             # One region for everything the equation touches, inside and out.
             rep = blob
             if rep is None:
-                rep = next((v for v in (*ins, *outs) if _var(v)), None)
-            uf.union(([] if rep is None else [rep]) + ins + outs)
+                rep = next((key(v) for v in (*ins, *outs) if _var(v)), None)
+            self.union(*([] if rep is None else [rep]), *ins, *outs)
             for sub in subs:
                 if rep is not None:
-                    uf.union([rep, *sub.jaxpr.invars, *sub.jaxpr.outvars,
-                              *sub.jaxpr.constvars])
+                    self.union(rep, *sub.jaxpr.invars, *sub.jaxpr.outvars,
+                               *sub.jaxpr.constvars)
                 self.walk(sub.jaxpr, blob=rep if rep is not None else _NOWHERE)
 
-    def _structured(self, eqn, kind, subs) -> None:
+    def _structured(self, eqn, kind, subs, uses) -> None:
         """Maps a higher-order equation's variables into its sub-jaxprs and walks them."""
         ins, outs = list(eqn.invars), list(eqn.outvars)
         if kind == _jaxpr.COND:
             ins = ins[1:]  # the branch index
         carry = range(0)
         if kind == _jaxpr.SCAN:  # the loop's carry: never counted as parameters alone
+            sliced = self._layers(eqn, uses)
+            if sliced:
+                self._unrolled(eqn, subs[0], sliced)
+                return
             nc = eqn.params["num_consts"]
             carry = range(nc, nc + eqn.params["num_carry"])
         for sub in subs:
             self._link(ins, sub.invars)
             self._link(outs, sub.outvars)
             for i, (v, u) in enumerate(zip(ins, sub.invars)):
-                self._mark([u], _DATA if i in carry else self._source(v))
-            self._mark(sub.constvars, _CONST)
+                self._mark([self.key(u)], _DATA if i in carry else self._source(self.key(v)))
+                if kind in (_jaxpr.INLINE, _jaxpr.REMAT) and uses.get(v) == 1:
+                    j = self.param_of.get(self.key(v))
+                    if j is not None:  # a parameter leaf, passed on as it is
+                        self.param_of[self.key(u)] = j
+            self._mark(map(self.key, sub.constvars), _CONST)
             if kind == _jaxpr.SCAN:
                 self._link([sub.invars[i] for i in carry],
                            sub.outvars[:len(carry)])
             self.walk(sub)
         for i, v in enumerate(outs):
-            self._mark([v], _DATA if kind == _jaxpr.SCAN and i < len(carry)
-                       else max(self._source(sub.outvars[i]) for sub in subs))
+            self._mark([self.key(v)], _DATA if kind == _jaxpr.SCAN and i < len(carry)
+                       else max(self._source(self.key(sub.outvars[i])) for sub in subs))
+
+    def _layers(self, eqn, uses) -> dict[int, int]:
+        """``{xs position: parameter}`` of a scan over a stack of layers, else ``{}``."""
+        if self.ctx or not self.stacks:
+            return {}
+        p = eqn.params
+        first = p["num_consts"] + p["num_carry"]
+        found: dict[int, int] = {}
+        for pos, v in enumerate(eqn.invars[first:]):
+            if not isinstance(v, jcore.Literal) and uses.get(v) == 1:
+                j = self.param_of.get(self.key(v))
+                if j is not None:
+                    found[pos] = j
+        by_group: dict = {}
+        for pos, j in found.items():
+            by_group.setdefault(self.owners[j], []).append(pos)
+        keep = {g for g, pos in by_group.items()
+                if self.stacks.get(g) == p["length"] and len(pos) == self.owners.count(g)}
+        return {pos: j for pos, j in found.items() if self.owners[j] in keep}
+
+    def _unrolled(self, eqn, sub, sliced: dict[int, int]) -> None:
+        """A scan over a stack of layers, walked once per layer: layer ``i``'s carry in is
+        layer ``i - 1``'s carry out (the scan's initial carry for the first), each layer
+        reads its own slice of the stacked parameters, and values stacked over the layers
+        (other ``xs``, the outputs ``ys``) join every layer's."""
+        p = eqn.params
+        nc, ncar, n = p["num_consts"], p["num_carry"], p["length"]
+        ins, outs = list(eqn.invars), list(eqn.outvars)
+        outer = self.ctx
+        self.scans[id(eqn)] = (n, eqn)
+        prev = None
+        for s in (range(n - 1, -1, -1) if p["reverse"] else range(n)):
+            ctx = outer + ((id(eqn), s),)
+            here = lambda v, c=ctx: self.key(v, c)  # noqa: E731
+            for i, (v, u) in enumerate(zip(ins, sub.invars)):
+                if nc <= i < nc + ncar:
+                    src = self.key(v) if prev is None else self.key(sub.outvars[i - nc], prev)
+                    self.uf.union([src, here(u)])
+                    self._mark([here(u)], _DATA)
+                elif i - nc - ncar in sliced:
+                    self.sliced.setdefault(sliced[i - nc - ncar], {})[s] = here(u)
+                    self._mark([here(u)], _PARAMS)
+                else:
+                    self.uf.union([self.key(v), here(u)])
+                    self._mark([here(u)], self._source(self.key(v)))
+            self._mark(map(here, sub.constvars), _CONST)
+            self.ctx = ctx
+            try:
+                self.walk(sub)
+            finally:
+                self.ctx = outer
+            for v, u in zip(outs[ncar:], sub.outvars[ncar:]):
+                self.uf.union([self.key(v), here(u)])
+                self._mark([self.key(v)], self._source(here(u)))
+            prev = ctx
+        for v, u in zip(outs[:ncar], sub.outvars[:ncar]):
+            self.uf.union([self.key(v), self.key(u, prev)])
+            self._mark([self.key(v)], _DATA)
 
     def _link(self, a: Sequence, b: Sequence) -> None:
         for u, v in zip(a, b):
-            self.uf.union([u, v])
+            self.union(u, v)
 
 
 def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
-            loss_index: int = 0, keep: frozenset = frozenset()) -> Plan:
+            loss_index: int = 0, keep: frozenset = frozenset(), stacks=None) -> Plan:
     """The plan of a traced loss.
 
     Args:
@@ -217,27 +333,44 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
       loss_index: which output of the jaxpr is the loss.
       keep: points that must be applied even where they neither convert nor measure
         anything new (those that round cotangents to a simulated format).
+      stacks: ``{group: depth}`` of the groups that have a slot ``group[i]`` per layer
+        (:func:`adaloss_jax._adaptive.stack_lengths`).
 
     A point that would convert nothing and whose every input comes straight from
     another point (whose output nothing else reads) is left out of the applied program:
     the cotangent it would measure is the one that point measures, unchanged and with
     the same anchors (a parent module's boundary around a child's). It gets no plan, as
     a point the program does not hold (:class:`PointPlan`).
+
+    In a scan over a stack of layers (:class:`_Walker`) slice ``i`` of a group's
+    parameters is anchored by the group's slot ``group[i]``, and each region of the
+    body has anchors per layer, as in the same layers unrolled: a point there gets
+    :class:`Steps` where they differ from layer to layer.
     """
-    w = _Walker()
+    w = _Walker(param_owners, stacks)
     w.walk(jaxpr)
-    whole: dict[int, list] = {}
+    whole: dict[int, dict] = {}  # n -> {slice or None: per leaf (x key, y key)}
     for n, occurrences in w.points.items():
-        if n < len(sizes) and all(len(p) == sizes[n] for p in occurrences):
-            for other in occurrences[1:]:  # the same point reached twice: one plan
-                for (x0, y0), (x1, y1) in zip(occurrences[0], other):
-                    w.uf.union([x0, x1])
-                    w.uf.union([y0, y1])
-            whole[n] = occurrences[0]
-        else:
-            for pairs in occurrences:
+        if not (n < len(sizes) and all(len(p) == sizes[n] for _, p in occurrences)):
+            for _, pairs in occurrences:
                 for x, y in pairs:
                     w.uf.union([x, y])
+            continue
+        by_ctx: dict = {}
+        for ctx, pairs in occurrences:
+            by_ctx.setdefault(ctx, []).append(pairs)
+        scans = {c[0][0] for c in by_ctx if c}
+        per_layer = (() not in by_ctx and len(scans) == 1
+                     and len(by_ctx) == w.scans[next(iter(scans))][0])
+        groups = list(by_ctx.values()) if per_layer else [[p for ps in by_ctx.values()
+                                                          for p in ps]]
+        for same in groups:  # the same point reached twice (in one layer): one plan
+            for other in same[1:]:
+                for (x0, y0), (x1, y1) in zip(same[0], other):
+                    w.uf.union([x0, x1])
+                    w.uf.union([y0, y1])
+        whole[n] = ({c[0][1]: by_ctx[c][0] for c in by_ctx} if per_layer
+                    else {None: groups[0][0]})
     find = w.uf.find
 
     def region(v):
@@ -247,26 +380,30 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
     loss = jaxpr.outvars[loss_index]
     loss_region = region(loss)
     params_y = []
-    for (x, y), owner in zip(w.param_pairs, param_owners):
+    for j, ((x, y), owner) in enumerate(zip(w.param_pairs, param_owners)):
         if owner is None or not _var(y):
             params_y.append(None)
             continue
-        params_y.append(region(y))
-        r = region(y)
-        if r is not loss_region:
-            fixed.setdefault(r, set()).add(owner)
+        uses = [y] if j not in w.sliced else list(w.sliced[j].values())
+        names = [owner] if j not in w.sliced else [slot_name(owner, i) for i in w.sliced[j]]
+        for u, name in zip(uses, names):
+            r = region(u)
+            if r is not loss_region:
+                fixed.setdefault(r, set()).add(name)
+        params_y.append(y if j not in w.sliced else w.sliced[j])
         fixed[region(x)] = {owner}
     if loss_region is not None:
         fixed[loss_region] = {ROOT}
 
     # Cotangents flow from each point's y side into its x side.
     sources: dict = {}
-    for pairs in whole.values():
-        for x, y in pairs:
-            rx, ry = region(x), region(y)
-            if rx is None or ry is None or rx is ry:
-                continue
-            sources.setdefault(rx, set()).add(ry)
+    for layers in whole.values():
+        for pairs in layers.values():
+            for x, y in pairs:
+                rx, ry = region(x), region(y)
+                if rx is None or ry is None or rx is ry:
+                    continue
+                sources.setdefault(rx, set()).add(ry)
     anchors: dict = {r: set(a) for r, a in fixed.items()}
     changed = True
     while changed:
@@ -284,15 +421,21 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
         a = anchors.get(r) if r is not None else None
         return tuple(sorted(a)) if a else (ROOT,)
 
+    def side(layers, i, k):  # the anchors of leaf i's side k, per layer where they vary
+        if None in layers:
+            return of(region(layers[None][i][k]))
+        return _steps([of(region(layers[s][i][k])) for s in range(len(layers))])
+
     points = []
     for n in range(len(sizes)):
-        pairs = whole.get(n)
-        if pairs is None:
+        layers = whole.get(n)
+        if layers is None:
             points.append(PointPlan(None, None))
             continue
         passed = w.passed.get(n, set())
-        x = tuple(None if i in passed else of(region(v)) for i, (v, _) in enumerate(pairs))
-        y = tuple(None if i in passed else of(region(v)) for i, (_, v) in enumerate(pairs))
+        size = len(next(iter(layers.values())))
+        x = tuple(None if i in passed else side(layers, i, 0) for i in range(size))
+        y = tuple(None if i in passed else side(layers, i, 1) for i in range(size))
         fed = w.fed.get(n, [])
         feeders = [a for i, a in enumerate(fed[0]) if i not in passed] if len(fed) == 1 else []
         if (n not in keep and x == y and feeders
@@ -301,5 +444,14 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
             points.append(PointPlan(None, None))  # a repeat of the point feeding it
             continue
         points.append(PointPlan(x=x, y=y))
-    params = tuple(None if r is None else of(r) for r in params_y)
-    return Plan(tuple(points), params)
+    params = []
+    for u in params_y:
+        if u is None:
+            params.append(None)
+        elif isinstance(u, dict):
+            params.append(Steps([of(region(u[s])) for s in range(len(u))]))
+        else:
+            params.append(of(region(u)))
+    stacked = frozenset(param_owners[j] for j in w.sliced)
+    scans = {k: n for k, (n, _) in w.scans.items()}
+    return Plan(tuple(points), tuple(params), stacked, scans)

@@ -35,85 +35,52 @@ import optax
 
 import adaloss_jax as alj
 from adaloss_jax.bench import _data, _models
+from adaloss_jax.bench._deep import (
+    guaranteed_span,
+    layer_groups,
+    layer_underflow,
+    settle_and_probe,
+    xent_loss,
+)
 from adaloss_jax.bench._steps import scaled_step
-
-
-def xent_loss(model):
-    def loss_fn(params, x, y):
-        logits = model.apply({"params": params}, x).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-
-    return loss_fn
-
-
-def layer_underflow(scaled, ref, depth: int, span: float = np.inf) -> list[tuple]:
-    """Per hidden layer (and the head): (share of kernel-gradient elements non-zero in
-    fp32 and zero in the scaled gradients, log2 amax of the fp32 kernel gradient, the
-    same share among the elements within ``span`` binades of that amax)."""
-    out = []
-    for i in range(depth + 1):
-        a = np.asarray(scaled[f"Dense_{i}"]["kernel"])
-        r = np.asarray(ref[f"Dense_{i}"]["kernel"])
-        amax = float(np.max(np.abs(r)))
-        shares = []
-        for lo in (0.0, amax * 2.0**-span):
-            keep = (r != 0) & (np.abs(r) >= lo)
-            shares.append(float(np.sum(keep & (a == 0)) / max(np.sum(keep), 1)))
-        out.append((shares[0], float(np.log2(amax)) if amax > 0 else -np.inf, shares[1]))
-    return out
-
-
-def guaranteed_span(scaler) -> float:
-    """Binades below a tensor's amax that every scale the amax rule can pick still holds
-    (the format's range less the margin and the rounding of the scale to a power of two):
-    what one scale per tensor can promise at all."""
-    fmt = scaler.format
-    return float(np.log2(fmt.max / fmt.min_subnormal)) - scaler.margin - 1
-
-
-def settle_and_probe(model16, model32, scaler, x, y, steps: int = 6):
-    """Scales settled over ``steps`` steps at learning rate 0; the scaled gradients of the
-    next step and the fp32 reference."""
-    params = model32.init(jax.random.key(0), x)["params"]
-    loss16 = xent_loss(model16)
-    tx, step = scaled_step(loss16, optax.sgd(0.0), scaler)
-    opt_state = tx.init(params)
-    step = jax.jit(step)
-    for _ in range(steps):
-        params, opt_state, _ = step(params, opt_state, x, y)
-    vg = jax.jit(alj.adaptive_value_and_grad(loss16))
-    _, scaled, _ = vg(opt_state, params, x, y)
-    ref = jax.jit(jax.grad(xent_loss(model32)))(params, x, y)
-    ad = alj.scale_state(opt_state)
-    return scaled, ref, ad
 
 
 def run_depth(args) -> None:
     rng = np.random.default_rng(0)
     x = jnp.asarray(rng.normal(size=(128, 64)).astype(np.float32))
     y = jnp.asarray(rng.integers(0, 10, size=128))
-    m16 = _models.sigmoid_mlp(jnp.float16, depth=args.depth)
-    m32 = _models.sigmoid_mlp(jnp.float32, depth=args.depth)
-    rows = {}
-    for groups in ("global", "module"):
-        t0 = time.perf_counter()
-        scaled, ref, ad = settle_and_probe(m16, m32, alj.adaptive(groups=groups), x, y)
-        rows[groups] = layer_underflow(scaled, ref, args.depth)
-        print(f"[{groups}: {time.perf_counter() - t0:.1f} s; skipped "
-              f"{int(ad.base.total_skipped)} of 6]", flush=True)
-        if groups == "module":
-            scales = {g: float(v) for g, v in ad.log2_scales.items()}
-    print(f"\n{args.depth} x (Dense(128) + sigmoid), fp16, batch 128; kernel-gradient "
-          f"underflow per layer after 6 settling steps")
-    print(f"{'layer':<9} {'log2 amax fp32':>14} {'global':>8} {'module':>8} "
-          f"{'module log2 scale':>18}")
+    fmt = {"grad_dtype": "float8_e4m3fn", "simulate": True} if args.e4m3 else {}
+    span = guaranteed_span(alj.adaptive(**fmt)) if args.e4m3 else np.inf
+    rows, scales = {}, {}
+    for scan in (False, True):
+        m16 = _models.sigmoid_mlp(jnp.float16, depth=args.depth, scan=scan)
+        m32 = _models.sigmoid_mlp(jnp.float32, depth=args.depth, scan=scan)
+        for groups in ("global", "module"):
+            t0 = time.perf_counter()
+            key = f"{groups}{'-scanned' if scan else ''}"
+            scaled, ref, ad = settle_and_probe(m16, m32, alj.adaptive(groups=groups, **fmt),
+                                               x, y)
+            rows[key] = layer_underflow(scaled, ref, span)
+            print(f"[{key}: {time.perf_counter() - t0:.1f} s; skipped "
+                  f"{int(ad.base.total_skipped)} of 6]", flush=True)
+            if groups == "module":
+                scales[key] = [float(ad.log2_scales[g])
+                               for g in layer_groups(args.depth, scan)]
+    held = f", share of the elements within {span:.1f} binades of the layer's amax" \
+        if args.e4m3 else ""
+    print(f"\n{args.depth} x (Dense(128) + sigmoid), {'e4m3' if args.e4m3 else 'fp16'} "
+          f"cotangents, batch 128; kernel-gradient underflow per layer after 6 settling "
+          f"steps{held}; unrolled layers and the same layers in one nn.scan")
+    cols = list(rows)
+    print(f"{'layer':<7} {'log2 amax fp32':>14} " + " ".join(f"{c:>15}" for c in cols)
+          + f" {'log2 scale':>10} {'(scanned)':>9}")
+    pick = 2 if args.e4m3 else 0
     for i in range(args.depth + 1):
-        g, m = rows["global"][i], rows["module"][i]
-        print(f"Dense_{i:<3} {g[1]:>14.1f} {100 * g[0]:>7.1f}% {100 * m[0]:>7.1f}% "
-              f"{scales[f'Dense_{i}']:>18.0f}")
-    worst = max(r[0] for r in rows["module"])
-    print(f"\nworst layer: global {100 * max(r[0] for r in rows['global']):.1f}%, "
-          f"module {100 * worst:.2f}%")
+        print(f"{i:<7} {rows['global'][i][1]:>14.1f} "
+              + " ".join(f"{100 * rows[c][i][pick]:>14.2f}%" for c in cols)
+              + f" {scales['module'][i]:>10.0f} {scales['module-scanned'][i]:>9.0f}")
+    print("\nworst layer: " + ", ".join(
+        f"{c} {100 * max(r[pick] for r in rows[c]):.2f}%" for c in cols))
 
 
 def run_fp8(args) -> None:
@@ -121,8 +88,8 @@ def run_fp8(args) -> None:
     prep = lambda a: (a.reshape(a.shape[0], -1).astype(np.float32) / 255.0)
     train_x, test_x = prep(train_x), prep(test_x)
     probe = (jnp.asarray(test_x[:128]), jnp.asarray(test_y[:128]))
-    m16 = _models.sigmoid_mlp(jnp.float16, depth=args.fp8_depth)
-    m32 = _models.sigmoid_mlp(jnp.float32, depth=args.fp8_depth)
+    m16 = _models.sigmoid_mlp(jnp.float16, depth=args.fp8_depth, scan=args.scan)
+    m32 = _models.sigmoid_mlp(jnp.float32, depth=args.fp8_depth, scan=args.scan)
     kw = {k: float(v) for k, v in (a.split("=") for a in args.scaler.split(",") if a)}
     kw = {k: int(v) if k in ("margin", "backoff") else v for k, v in kw.items()}
     configs = {
@@ -166,7 +133,7 @@ def run_fp8(args) -> None:
                 vg = jax.jit(alj.adaptive_value_and_grad(xent_loss(m16)))
                 _, scaled, _ = vg(opt_state, params, *probe)
                 ref = jax.jit(jax.grad(xent_loss(m32)))(params, *probe)
-                under = layer_underflow(scaled, ref, args.fp8_depth, guaranteed_span(scaler))
+                under = layer_underflow(scaled, ref, guaranteed_span(scaler))
                 row["underflow"] = [u[0] for u in under]
                 row["held"] = [u[2] for u in under]
                 row["skipped"] = int(alj.scale_state(opt_state).base.total_skipped)
@@ -178,7 +145,8 @@ def run_fp8(args) -> None:
                          f"{100 * max(row['held']):.2f}%)")
             print(f"seed {seed} {name:<12} acc {acc:.3f}{extra} "
                   f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    print(f"\n{args.fp8_depth} x (Dense(128) + sigmoid), Fashion-MNIST, Adam {args.lr:g}, "
+    print(f"\n{args.fp8_depth} x (Dense(128) + sigmoid){' in one nn.scan' if args.scan else ''}, "
+          f"Fashion-MNIST, Adam {args.lr:g}, "
           f"{args.steps} steps, e4m3 cotangents")
     span = guaranteed_span(configs.get("e4m3-module") or alj.adaptive(
         grad_dtype="float8_e4m3fn", groups="module"))
@@ -210,6 +178,9 @@ def main(argv=None) -> int:
     p.add_argument("--configs", default="", help="fp8: comma-separated subset of "
                    "fp32,e4m3-global,e4m3-module (default all)")
     p.add_argument("--seeds", default="0,1,2")
+    p.add_argument("--e4m3", action="store_true", help="depth: e4m3 cotangents "
+                   "(simulated) instead of fp16; try --depth 8")
+    p.add_argument("--scan", action="store_true", help="fp8: the stack as one nn.scan")
     args = p.parse_args(argv)
     (run_depth if args.what == "depth" else run_fp8)(args)
     return 0

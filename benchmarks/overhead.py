@@ -8,7 +8,9 @@ send/recv) and the steady-state step time, measured in interleaved rounds so tha
 noise hits every configuration alike. Ratios are against ``dynamic``.
 
 Run: ``python benchmarks/overhead.py`` (a few minutes on 2 CPU cores);
-``--sizes small,large --layers 2,4,8`` for the growth with depth.
+``--sizes small,large --layers 2,4,8`` for the growth with depth; ``--scan`` for the
+same GPT with its blocks in one ``nn.scan`` (one compiled block whatever the depth):
+``--scan --sizes small --layers 4,8,16,32``.
 """
 
 from __future__ import annotations
@@ -69,13 +71,14 @@ def host_round_trips(hlo_text: str) -> int:
 
 
 def measure(size: str, layers: int | None, rounds: int, steps: int,
-            compile_repeats: int = 3, configs=CONFIGS, batch: int | None = None) -> list[dict]:
+            compile_repeats: int = 3, configs=CONFIGS, batch: int | None = None,
+            scan: bool = False) -> list[dict]:
     n_layers, d, heads, ctx, default_batch = SIZES[size]
     n_layers, batch = layers or n_layers, batch or default_batch
     rng = np.random.default_rng(0)
     data = jnp.asarray(rng.integers(0, 256, size=(batch, ctx + 1)), jnp.int32)
     models = {c: GPT(layers=n_layers, d_model=d, heads=heads, context=ctx,
-                     dtype=ALL_CONFIGS[c][0]) for c in configs}
+                     dtype=ALL_CONFIGS[c][0], scan=scan) for c in configs}
     params = models[configs[0]].init(jax.random.key(0), data[:, :-1])["params"]
     rows, runners, steps_of = [], {}, {}
     for config in configs:
@@ -129,6 +132,7 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
     parser.add_argument("--compile-repeats", type=int, default=3)
+    parser.add_argument("--scan", action="store_true", help="the blocks in one nn.scan")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma list of {list(ALL_CONFIGS)}")
     args = parser.parse_args(argv)
@@ -143,7 +147,8 @@ def main(argv=None) -> int:
     layer_list = [int(x) for x in args.layers.split(",") if x] or [None]
     print(f"# jax {jax.__version__}, backend {jax.default_backend()}, "
           f"{os.cpu_count()} CPUs; median of {args.rounds} rounds x {args.steps} steps, "
-          f"compile: median of {args.compile_repeats}")
+          f"compile: median of {args.compile_repeats}"
+          f"{'; blocks in one nn.scan' if args.scan else ''}")
     header = ("size", "layers", "d", "config", "step ms", "x dyn", "compile s", "x dyn",
               "temp MiB", "x dyn", "host trips")
     print("{:<6} {:>6} {:>4} {:<16} {:>8} {:>6} {:>9} {:>6} {:>9} {:>6} {:>10}".format(*header))
@@ -151,7 +156,7 @@ def main(argv=None) -> int:
     for size in sizes:
         for layers in layer_list:
             for r in measure(size, layers, args.rounds, args.steps,
-                             args.compile_repeats, configs):
+                             args.compile_repeats, configs, scan=args.scan):
                 rows.append(r)
                 print(f"{r['size']:<6} {r['layers']:>6} {r['d_model']:>4} {r['config']:<16} "
                       f"{r['step_ms']:>8.1f} {r['step_ratio']:>6.3f} {r['compile_s']:>9.2f} "

@@ -5,11 +5,23 @@ import io
 import json
 import os
 
+import flax.linen as nn
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from adaloss_jax.bench import _cli, _configs, _data, _models, _progress, _report, _runner, _tasks
+from adaloss_jax.bench import (
+    _cli,
+    _configs,
+    _data,
+    _fp8_peers,
+    _models,
+    _progress,
+    _report,
+    _runner,
+    _tasks,
+)
 
 STEPS = 4
 
@@ -96,17 +108,18 @@ def test_interrupted_bench_keeps_finished_runs(small_gpt, tmp_path, monkeypatch)
 
 @pytest.mark.slow
 def test_flax_fp8_peer_trains_with_its_own_scaling_state(small_gpt):
-    """flax's Fp8DotGeneralOp in every Dense: its scales and amax histories are updated
+    """flax's Fp8DirectDotGeneralOp in every Dense: its scales and amax histories are updated
     from their "gradients" each step, and its e5m2 gradient scale adapts to the tiny
     regime by itself, so few gradients flush without any loss scaling."""
     runner = _runner.Runner(small_gpt, _configs.CONFIGS["fp8-flax"], "tiny", 3)
     carry = runner.init(0)
     fp8 = carry[1][_runner.FP8_STATE]
-    scale0 = np.asarray(fp8["block_0"]["mlp"]["fc1"]["FlaxFp8Dot_0"]["output_grad_scale"])
+    op = "Fp8DirectDotGeneralOp_0"
+    scale0 = np.asarray(fp8["block_0"]["mlp"]["fc1"][op]["output_grad_scale"])
     batch = small_gpt.batches(0, 3)
     for i in range(3):
         carry = runner.step(carry, batch(i))[0]
-    fc1 = carry[1][_runner.FP8_STATE]["block_0"]["mlp"]["fc1"]["FlaxFp8Dot_0"]
+    fc1 = carry[1][_runner.FP8_STATE]["block_0"]["mlp"]["fc1"][op]
     history = np.asarray(fc1["output_grad_amax_history"])
     # The cotangent's amax (about 2^-20 of an ordinary one) is recorded once the layers
     # after fc1 pass a non-zero cotangent (delayed scaling: a step per layer), and the
@@ -118,16 +131,38 @@ def test_flax_fp8_peer_trains_with_its_own_scaling_state(small_gpt):
     assert row["final_underflow"] < 0.05
 
 
-def test_flax_fp8_peer_refuses_a_model_without_fp8_layers(small_gpt):
-    """A model that ignores dot_general_cls would train in plain bf16 under the fp8-flax
+@pytest.mark.parametrize("config", ["fp8-flax", "fp8-current"])
+def test_fp8_peers_refuse_a_model_without_fp8_layers(small_gpt, config):
+    """A model that ignores dot_general_cls would train in plain bf16 under an fp8
     label: refused, naming the tasks that take it."""
     plain = dataclasses.replace(
         small_gpt, make_model=lambda dtype, dg: _models.GPT(layers=1, d_model=32, heads=2,
                                                             context=64, dtype=dtype))
-    runner = _runner.Runner(plain, _configs.CONFIGS["fp8-flax"], "tiny", 2)
+    runner = _runner.Runner(plain, _configs.CONFIGS[config], "tiny", 2)
     with pytest.raises(ValueError, match="no dense layer that takes dot_general_cls.*"
                                          "fmnist-sigmoid"):
         runner.init(0)
+
+
+def test_current_fp8_scaling_rounds_each_tensor_at_its_own_amax():
+    """Per-tensor current scaling: the largest magnitude maps to the format's largest
+    value (kept exactly), a value 2^17 below it is still held in e4m3 (its subnormals end
+    at 2^-9, 448 = 2^8.8 maps the amax), one 2^30 below flushes; and the gradient of a
+    dense layer under it is close to the exact one whatever the loss's size (its output
+    gradient is rounded to e5m2 at its own amax: a tiny loss needs no loss scaling)."""
+    x = jnp.asarray([3.0, -3.0 * 2.0**-17, 3.0 * 2.0**-30, 1.0])
+    q = _fp8_peers.current_round(x, _fp8_peers.E4M3)
+    assert float(q[0]) == 3.0 and float(q[2]) == 0.0
+    assert float(q[1]) == pytest.approx(-3.0 * 2.0**-17, rel=0.35)
+    dense = nn.Dense(4, dot_general_cls=_fp8_peers.CurrentFp8Dot)
+    h = jax.random.normal(jax.random.key(0), (8, 4))
+    p = dense.init(jax.random.key(1), h)["params"]
+    for tiny in (1.0, 2.0**-40):
+        g = jax.grad(lambda p, t=tiny: jnp.sum(jnp.sin(dense.apply({"params": p}, h))) * t)(p)
+        ref = jax.grad(lambda p, t=tiny: jnp.sum(jnp.sin(h @ p["kernel"] + p["bias"])) * t)(p)
+        err = float(jnp.max(jnp.abs(g["kernel"] - ref["kernel"])) / jnp.max(jnp.abs(
+            ref["kernel"])))
+        assert 0 < err < 0.2, (tiny, err)
 
 
 def test_deep_tasks_run_their_own_regime_and_configs():

@@ -389,9 +389,9 @@ def scan_twins(dtype):
 
 
 def test_scanned_stack_equals_its_unrolled_twin():
-    """Stacked layers run by ``lax.scan`` (one scale group for the stack) and the same
-    layers unrolled: in global mode the same statistics; in fp32 under arbitrary scales,
-    exact gradients both ways."""
+    """Stacked layers run by ``lax.scan`` (a scale per layer) and the same layers
+    unrolled (one scale group for the stack's parameters): in global mode the same
+    statistics; in fp32 under arbitrary scales, exact gradients both ways."""
     x = _x(jnp.float32)
     params, scanned, unrolled = scan_twins(jnp.float16)
     glob = alj.adaptive(groups="global")
@@ -400,7 +400,9 @@ def test_scanned_stack_equals_its_unrolled_twin():
     assert_same_measurements(run(scanned), run(unrolled), "scan")
     params, scanned, unrolled = scan_twins(jnp.float32)
     module = alj.adaptive(groups="module")
-    state = alj.adaptive_unscale(module).init(params).with_log2_scales({"": 9, "stack": -5})
+    state = alj.adaptive_unscale(module).init(params)
+    # The stack's own scale (unrolled) and its slots, a scale per layer (scanned).
+    state = state.with_log2_scales({"": 9, **{g: -5 for g in state.groups if "stack" in g}})
     for f in (scanned, unrolled):
         _, g, _ = jax.jit(alj.adaptive_value_and_grad(f))(state, params, x)
         assert_fp32_trees_close(jax.tree_util.tree_map(lambda a: a * 2.0**5, g),

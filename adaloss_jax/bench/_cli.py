@@ -21,6 +21,7 @@ examples:
   python -m adaloss_jax.bench                   # the full suite (about 3 hours on 2 cores)
   python -m adaloss_jax.bench --tasks fmnist-deep --regimes tiny --configs fp32,fp16-dynamic
   python -m adaloss_jax.bench --tasks fmnist-sigmoid,code-gpt-deep   # where depth matters
+  python -m adaloss_jax.bench --tasks fmnist-sigmoid-scan,code-gpt-deep-scan  # scanned stacks
   python -m adaloss_jax.bench --list            # tasks and configurations
 
 Results go to --out (default bench-results/): runs.jsonl (raw rows, one per run),

@@ -23,7 +23,8 @@ DYNAMIC_PERIOD = 200
 @dataclasses.dataclass(frozen=True)
 class Config:
     """``kind``: "global" (a global scaler), "adaptive", "flax" (flax's DynamicScale) or
-    "fp8-flax" (flax's fp8 dense layers)."""
+    "fp8" (an fp8 recipe in every dense layer, ``fp8``: "delayed" or "current",
+    :mod:`adaloss_jax.bench._fp8_peers`)."""
 
     name: str
     description: str
@@ -31,6 +32,7 @@ class Config:
     kind: str
     adaptive: dict | None = None  # keyword arguments of alj.adaptive()
     make_scaler: Callable[[], Any] = alj.no_scaling  # the scaler of kind "global"
+    fp8: str | None = None  # the recipe of kind "fp8"
 
     def scaler(self) -> Any:
         """The config's scaler: global (kind "global") or adaptive."""
@@ -75,9 +77,15 @@ CONFIGS: dict[str, Config] = {
         _ada("fp16-ada-block", "float16, adaptive per-layer scales, one per top-level module "
              "(a transformer block), points only at their boundaries", groups="module",
              max_depth=1),
-        Config("fp8-flax", "bfloat16 model, flax's Fp8DotGeneralOp in every Dense (e4m3 "
-               "inputs and kernels, e5m2 output cotangents, per-tensor delayed scaling from "
-               "a 1024-step amax history); no loss scaling", jnp.bfloat16, "fp8-flax"),
+        Config("fp8-flax", "bfloat16 model, flax's Fp8DirectDotGeneralOp in every Dense "
+               "(e4m3 inputs and kernels, e5m2 output gradients, per-tensor delayed scaling "
+               "from a 1024-step amax history); no loss scaling", jnp.bfloat16, "fp8",
+               fp8="delayed"),
+        Config("fp8-current", "bfloat16 model, per-tensor current fp8 scaling in every Dense "
+               "(each tensor scaled from its own amax in the same step, as "
+               "TransformerEngine's current scaling and torchao's tensorwise recipe; e4m3 "
+               "inputs and kernels, e5m2 output gradients); no loss scaling", jnp.bfloat16,
+               "fp8", fp8="current"),
     )
 }
 
@@ -86,7 +94,7 @@ QUICK = ("fp32", "bf16", "fp16-none", "fp16-dynamic", "fp16-ada-global", "fp16-a
 FULL = {
     "ordinary": ("fp32", "bf16", "fp16-none", "fp16-dynamic", "fp16-ada-global",
                  "fp16-ada-module"),
-    "tiny": tuple(c for c in CONFIGS if c not in ("fp8-flax", "fp16-ada-block")),
+    "tiny": tuple(c for c in CONFIGS if CONFIGS[c].kind != "fp8" and c != "fp16-ada-block"),
 }
 # The deep tasks (code-gpt-deep, fmnist-sigmoid): where per-layer scales matter, and the
 # fp8 peer. Their suite runs these, tiny regime only.
@@ -95,4 +103,8 @@ FULL = {
 # simulation than the module configs', so the two would not be comparable.
 DEPTH = ("fp32", "bf16", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module",
          "fp16-ada-block", "e5m2-global", "e5m2-module", "e4m3-global", "e4m3-module",
-         "fp8-flax")
+         "fp8-flax", "fp8-current")
+# The scanned deep tasks (code-gpt-deep-scan, fmnist-sigmoid-scan): what a user of a
+# scanned model gets, against both fp8 peers.
+SCANNED = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module", "e4m3-global",
+           "e4m3-module", "fp8-flax", "fp8-current")

@@ -81,8 +81,30 @@ class Block(nn.Module):
             nn.LayerNorm(dtype=self.dtype, name="ln2")(x))
 
 
+class _Carried(nn.Module):
+    """A layer ``cls(**dict(kwargs))`` as a scan body: ``(x, _) -> (layer(x), None)``."""
+
+    cls: Any
+    kwargs: tuple
+
+    @nn.compact
+    def __call__(self, x, _):
+        return self.cls(**dict(self.kwargs), name="layer")(x), None
+
+
+def scanned(cls, kwargs: dict, length: int, name: str):
+    """``length`` layers ``cls(**kwargs)`` (parameters stacked along a leading axis) run
+    by ``nn.scan``, one compiled body whatever the depth: a function ``x -> y``, called
+    inside a compact method (its parameters: ``name/layer/...``)."""
+    stack = nn.scan(_Carried, variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=length)(cls, tuple(kwargs.items()), name=name)
+    return lambda x: stack(x, None)[0]
+
+
 class GPT(nn.Module):
-    """Byte-level pre-LN GPT with a tied embedding (the output head is ``embed.attend``)."""
+    """Byte-level pre-LN GPT with a tied embedding (the output head is ``embed.attend``);
+    with ``scan=True`` the blocks are one ``nn.scan`` (``blocks/layer``, parameters
+    stacked), else ``block_0``, ``block_1``, ..."""
 
     layers: int = 2
     d_model: int = 64
@@ -90,15 +112,19 @@ class GPT(nn.Module):
     context: int = 64
     dtype: jnp.dtype = jnp.float16
     dot_general_cls: Any = None
+    scan: bool = False
 
     @nn.compact
     def __call__(self, tokens):
         embed = nn.Embed(256, self.d_model, dtype=self.dtype, name="embed")
         pos = self.param("pos", nn.initializers.normal(0.02), (self.context, self.d_model))
         x = embed(tokens) + pos[: tokens.shape[1]].astype(self.dtype)
-        for i in range(self.layers):
-            x = Block(self.d_model, self.heads, self.dtype, self.dot_general_cls,
-                      name=f"block_{i}")(x)
+        kw = dict(d_model=self.d_model, heads=self.heads, dtype=self.dtype,
+                  dot_general_cls=self.dot_general_cls)
+        if self.scan:
+            x = scanned(Block, kw, self.layers, "blocks")(x)
+        for i in range(0 if self.scan else self.layers):
+            x = Block(**kw, name=f"block_{i}")(x)
         x = nn.LayerNorm(dtype=self.dtype, name="ln_f")(x)
         return embed.attend(x)  # logits in the compute dtype
 
@@ -170,6 +196,7 @@ class DeepMLP(nn.Module):
     init_scheme: str = "he"
     dot_general_cls: Any = None
     activation: str = "relu"
+    scan: bool = False
 
     @nn.compact
     def __call__(self, x):
@@ -177,13 +204,47 @@ class DeepMLP(nn.Module):
         inits = {"he": nn.initializers.he_normal, "lecun": nn.initializers.lecun_normal}
         kinit = inits[self.init_scheme]()
         act = {"relu": nn.relu, "sigmoid": nn.sigmoid}[self.activation]
-        for _ in range(self.depth):
+        first = 1 if self.scan else self.depth  # layers 1.. as one nn.scan ("layers")
+        for _ in range(first):
             x = act(_dense(self.width, self.dtype, self.dot_general_cls, kernel_init=kinit)(x))
-        return _dense(self.classes, self.dtype, self.dot_general_cls)(x)
+        if self.scan and self.depth > 1:
+            kw = dict(width=self.width, dtype=self.dtype, dot_general_cls=self.dot_general_cls,
+                      kernel_init=kinit, activation=self.activation)
+            x = scanned(Activated, kw, self.depth - 1, "layers")(x)
+        return _dense(self.classes, self.dtype, self.dot_general_cls,
+                      name="head" if self.scan else None)(x)
 
 
-def sigmoid_mlp(dtype=jnp.float16, dot_general_cls=None, depth: int = 8) -> DeepMLP:
+class Activated(nn.Module):
+    """``activation(Dense(width)(x))``: a layer of :class:`DeepMLP`'s scanned stack."""
+
+    width: int
+    dtype: jnp.dtype
+    dot_general_cls: Any
+    kernel_init: Any
+    activation: str
+
+    @nn.compact
+    def __call__(self, x):
+        act = {"relu": nn.relu, "sigmoid": nn.sigmoid}[self.activation]
+        return act(_dense(self.width, self.dtype, self.dot_general_cls,
+                          kernel_init=self.kernel_init)(x))
+
+
+def sigmoid_mlp(dtype=jnp.float16, dot_general_cls=None, depth: int = 8,
+                scan: bool = False) -> DeepMLP:
     """The ``fmnist-sigmoid`` model: ``depth`` x (Dense(128) + sigmoid), flax's default
-    (LeCun-normal) initialisation, no normalisation."""
+    (LeCun-normal) initialisation, no normalisation; ``scan=True``: layers 1.. as one
+    ``nn.scan``."""
     return DeepMLP(depth=depth, width=128, dtype=dtype, init_scheme="lecun",
-                   dot_general_cls=dot_general_cls, activation="sigmoid")
+                   dot_general_cls=dot_general_cls, activation="sigmoid", scan=scan)
+
+
+def layer_kernels(params) -> list:
+    """The hidden layers' and the head's kernels of a :class:`DeepMLP`, in order, whether
+    its layers are unrolled (``Dense_i``) or scanned (``layers``: one slice per layer)."""
+    if "layers" not in params:
+        return [params[f"Dense_{i}"]["kernel"] for i in range(len(params))]
+    stacked = params["layers"]["layer"]["Dense_0"]["kernel"]
+    return ([params["Dense_0"]["kernel"]] + [stacked[i] for i in range(stacked.shape[0])]
+            + [params["head"]["kernel"]])

@@ -23,13 +23,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-from flax.linen import fp8_ops
 from flax.training.dynamic_scale import DynamicScale
 
 import adaloss_jax as alj
 from adaloss_jax import _tree
-from adaloss_jax.bench import _configs, _steps, _tasks
+from adaloss_jax.bench import _configs, _fp8_peers, _steps, _tasks
 from adaloss_jax.bench._configs import Config
+from adaloss_jax.bench._fp8_peers import FP8_STATE
 from adaloss_jax.bench._tasks import Task
 
 TINY_SHIFT = 20
@@ -41,18 +41,6 @@ def probe_steps(steps: int, n: int = 6) -> list[int]:
     over the run, the last step last (``n=6``: quarters)."""
     even = {steps * k // (n - 2) for k in range(1, n - 2)}
     return sorted({0, 1, steps - 1} | {s for s in even if 0 <= s < steps})
-
-
-# flax keeps Fp8DotGeneralOp's scales and amax histories in this collection; their
-# "gradients" are their next values.
-FP8_STATE = fp8_ops.OVERWRITE_WITH_GRADIENT
-
-
-class FlaxFp8Dot(fp8_ops.Fp8DotGeneralOp):
-    """flax's ``Fp8DotGeneralOp``, unchanged. A subclass only so that flax's deprecation
-    warning (it points to ``Fp8DirectDotGeneralOp``, which runs a real fp8 matmul) is not
-    printed at every trace: the quantize-dequantize form simulates fp8 the way
-    ``simulate=True`` does here, and runs on any backend."""
 
 
 def module_of(leaf: str) -> str:
@@ -94,8 +82,8 @@ class Runner:
             raise ValueError(f"unknown regime {regime!r}; choose from {', '.join(REGIMES)}")
         self.task, self.config, self.regime, self.steps = task, config, regime, steps
         kind = config.kind
-        self.model = model = task.model(config.dtype,
-                                        FlaxFp8Dot if kind == "fp8-flax" else None)
+        self.model = model = task.model(
+            config.dtype, _fp8_peers.DOT_CLASSES[config.fp8] if kind == "fp8" else None)
         self.mult = mult = 2.0**-TINY_SHIFT if regime == "tiny" else 1.0
         inner = task.make_optimizer(steps)
         if regime == "tiny":  # undo the loss multiplier after unscaling: fp32 unchanged
@@ -105,7 +93,7 @@ class Runner:
             loss, new_state = task.loss(model, params, model_state, batch)
             return loss * mult, new_state
 
-        if kind in ("flax", "fp8-flax"):
+        if kind in ("flax", "fp8"):
             tx = inner
         elif kind in ("global", "adaptive"):
             scaling = config.scaler()
@@ -118,7 +106,11 @@ class Runner:
         def grads_of(carry, batch):
             """``(loss, new model state, gradients, update kwargs, flax scale, finite)``."""
             params, model_state, opt_state, ds = carry
-            if kind == "fp8-flax":  # no loss scaling: flax scales each dense layer itself
+            if kind == "fp8" and FP8_STATE not in model_state:  # current scaling
+                (loss, new_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(
+                    params, model_state, batch)
+                return loss, new_state, grads, {}, ds, jnp.bool_(True)
+            if kind == "fp8":  # no loss scaling: flax scales each dense layer itself
                 rest = {k: v for k, v in model_state.items() if k != FP8_STATE}
 
                 def with_fp8(p, fp8):
@@ -139,7 +131,7 @@ class Runner:
             loss, new_state, grads, kw, ds, finite = grads_of(carry, batch)
             updates, new_opt = tx.update(grads, opt_state, params, **kw)
             new_params = optax.apply_updates(params, updates)
-            if kind == "fp8-flax":  # nothing skips a step
+            if kind == "fp8":  # nothing skips a step
                 applied, log2 = finite, jnp.float32(0.0)
             elif kind == "flax":
                 applied = finite
@@ -157,16 +149,26 @@ class Runner:
         self.reference = _reference(task, regime)
         self.evaluate = task.evaluator(model)
 
+    def _fp8_inside(self, params, model_state) -> bool:
+        """Whether the model computes in fp8 (flax's scaling state, or fp8 values in
+        its traced loss)."""
+        if FP8_STATE in model_state:
+            return True
+        batch = self.task.batches(0, 1)(0)
+        jaxpr = jax.make_jaxpr(lambda p: self.task.loss(self.model, p, model_state,
+                                                         batch)[0])(params)
+        return "f8_e4m3" in str(jaxpr)
+
     def init(self, seed: int):
         params, model_state = self.task.init(self.model, seed)
-        if self.config.kind == "fp8-flax" and FP8_STATE not in model_state:
+        if self.config.kind == "fp8" and not self._fp8_inside(params, model_state):
             fp8_tasks = [t.name for t in _tasks.TASKS.values() if t.configs
-                         and "fp8-flax" in t.configs]
+                         and self.config.name in t.configs]
             raise ValueError(
-                f"config fp8-flax: task {self.task.name}'s model has no dense layer that "
-                f"takes dot_general_cls, so it would train without fp8 under an fp8 label; "
-                f"run fp8-flax on {', '.join(fp8_tasks)}, or give the model's nn.Dense "
-                f"layers dot_general_cls")
+                f"config {self.config.name}: task {self.task.name}'s model has no dense layer "
+                f"that takes dot_general_cls, so it would train without fp8 under an fp8 "
+                f"label; run {self.config.name} on {', '.join(fp8_tasks)}, or give the "
+                f"model's nn.Dense layers dot_general_cls")
         ds = None
         if self.config.kind == "flax":
             # Arrays, not Python numbers: the state's types must not change after the

@@ -15,12 +15,16 @@ task               model and data                                              q
 ``fmnist-sigmoid`` plain 8 x 128 sigmoid MLP, no normalisation, on              test
                    Fashion-MNIST: the layers' gradient ranges spread ~2         accuracy
                    binades a layer, wider than fp8's range; tiny regime only
+``*-scan``         ``code-gpt-deep-scan``, ``fmnist-sigmoid-scan``: the same
+                   models with their stack in one ``nn.scan`` (one compiled
+                   block, parameters stacked), as large models are written
 =================  ==========================================================  ===========
 
 The two deep tasks (``code-gpt-deep``, ``fmnist-sigmoid``) are where per-layer scales
 matter; by default they run the configurations of ``_configs.DEPTH`` (fp32, bf16, fp16
 dynamic, adaptive global and per-layer, e4m3 and e5m2 cotangents global and per-layer,
-and flax's fp8 peer) with more probe steps, for the underflow heat maps.
+and the two fp8 peers) with more probe steps, for the underflow heat maps; their
+scanned variants run ``_configs.SCANNED``.
 
 Splits are fixed (split seed 0); the training seed sets the initialisation and the order
 of the batches, the same for every configuration.
@@ -40,6 +44,7 @@ import optax
 
 from adaloss_jax.bench import _data, _models
 from adaloss_jax.bench._configs import DEPTH as DEPTH_CONFIGS
+from adaloss_jax.bench._configs import SCANNED as SCANNED_CONFIGS
 
 
 @dataclasses.dataclass
@@ -147,14 +152,31 @@ def _gpt_loader(files_fn: Callable[[], list[str]]):
 
 
 def _gpt_task(name, description, files_fn, steps, quick_steps, shape=GPT_SHAPE,
-              **kwargs) -> Task:
+              scan: bool = False, **kwargs) -> Task:
     return Task(
         name=name, description=description, metric="bits/byte", higher_is_better=False,
         steps=steps, quick_steps=quick_steps,
-        make_model=lambda dtype, dg: _models.GPT(**shape, dtype=dtype, dot_general_cls=dg),
+        make_model=lambda dtype, dg: _models.GPT(**shape, dtype=dtype, dot_general_cls=dg,
+                                                 scan=scan),
         make_optimizer=lambda steps: optax.adamw(2e-3, weight_decay=0.01),
         loader=_gpt_loader(files_fn),
-        settings=f"gpt{shape}-b{GPT_BATCH}-adamw2e-3", **kwargs,
+        settings=f"gpt{shape}{'-scan' if scan else ''}-b{GPT_BATCH}-adamw2e-3", **kwargs,
+    )
+
+
+def _sigmoid_task(scan: bool) -> Task:
+    return Task(
+        name="fmnist-sigmoid-scan" if scan else "fmnist-sigmoid",
+        description="plain 8 x 128 sigmoid MLP (no normalisation) on Fashion-MNIST"
+        + (", layers 1-7 in one nn.scan" if scan else ""),
+        metric="accuracy", higher_is_better=True, steps=3000, quick_steps=1000,
+        make_model=lambda dtype, dg: _models.sigmoid_mlp(dtype, dg, scan=scan),
+        # 3000 steps: sigmoid stacks sit on a plateau first, and fp32 must leave it
+        # on every seed (docs/results.md section 8).
+        make_optimizer=lambda steps: optax.adam(1e-3),
+        loader=_fmnist_loader((784,), train_flag=False),
+        settings=f"sigmoid8x128{'-scan' if scan else ''}-b{FMNIST_BATCH}-adam1e-3",
+        probes=12, regimes=("tiny",), configs=SCANNED_CONFIGS if scan else DEPTH_CONFIGS,
     )
 
 
@@ -250,17 +272,11 @@ TASKS: dict[str, Task] = {
         _gpt_task("code-gpt-deep", "byte GPT with 8 blocks on the Python standard "
                   "library's source", _data.stdlib_files, steps=300, quick_steps=150,
                   shape=DEEP_GPT_SHAPE, probes=10, regimes=("tiny",), configs=DEPTH_CONFIGS),
-        Task(
-            name="fmnist-sigmoid",
-            description="plain 8 x 128 sigmoid MLP (no normalisation) on Fashion-MNIST",
-            metric="accuracy", higher_is_better=True, steps=3000, quick_steps=1000,
-            make_model=lambda dtype, dg: _models.sigmoid_mlp(dtype, dg),
-            # 3000 steps: sigmoid stacks sit on a plateau first, and fp32 must leave it
-            # on every seed (docs/results.md section 8).
-            make_optimizer=lambda steps: optax.adam(1e-3),
-            loader=_fmnist_loader((784,), train_flag=False),
-            settings=f"sigmoid8x128-b{FMNIST_BATCH}-adam1e-3",
-            probes=12, regimes=("tiny",), configs=DEPTH_CONFIGS,
-        ),
+        _sigmoid_task(scan=False),
+        _gpt_task("code-gpt-deep-scan", "byte GPT with 8 blocks in one nn.scan on the "
+                  "Python standard library's source", _data.stdlib_files, steps=300,
+                  quick_steps=150, shape=DEEP_GPT_SHAPE, scan=True, probes=10,
+                  regimes=("tiny",), configs=SCANNED_CONFIGS),
+        _sigmoid_task(scan=True),
     )
 }

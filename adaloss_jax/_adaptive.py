@@ -61,7 +61,9 @@ def param_groups(params: Any, scaler: AdaptiveScale) -> list[str]:
     """The scale groups of a parameter tree, in model order.
 
     The root and, with ``groups="module"``, every module that owns parameters directly
-    (or through modules deeper than ``max_depth``).
+    (or through modules deeper than ``max_depth``), and for a group that may be a stack
+    of layers run by a scan (docs: concepts, stacks of layers) a slot per layer, ``g[0]``,
+    ``g[1]``, ...
 
     Args:
       params: the parameters (any pytree; a linen ``{"params": ...}`` collection is
@@ -280,7 +282,9 @@ def adaptive_value_and_grad(
                 f"know (state groups: {list(state.groups)[:8]}); build the state with "
                 f"tx.init on the parameters this loss is given")
         log2 = {g: state.log2_scales[g] for g in groups}
-        sigma, ratios = _apply.anchor_scales(log2, program.pairs())
+        stacks = {b[0] for b in map(split_slot, groups) if b is not None}
+        sigma, ratios = _apply.anchor_scales(
+            log2, program.pairs(), {g: state.log2_scales.stacked(g) for g in stacks})
         sites = program.sites()
         dummies = [jnp.zeros((*s.lead, program.columns.width), jnp.float32) for s in sites]
         rest = rec.dynamic[rec.n_params:]

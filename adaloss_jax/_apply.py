@@ -28,7 +28,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 
 from adaloss_jax import _channel, _formats, _jaxpr
-from adaloss_jax._state import slot_name
+from adaloss_jax._state import slot_name, split_slot
 from adaloss_jax._stream import Plan, Steps
 from adaloss_jax._transforms import min_once
 
@@ -300,9 +300,11 @@ def _eval_run(run: list, env: dict, read) -> None:
         env[v] = x
 
 
-def anchor_scales(log2: dict, pairs: Sequence[tuple]) -> tuple[dict, dict]:
+def anchor_scales(log2: dict, pairs: Sequence[tuple], stacked=None) -> tuple[dict, dict]:
     """The log2 scale of every anchor set (the min over it) and the ratio ``S_x / S_y`` of
-    every converting ``(x, y)`` pair, built once per step outside the model.
+    every converting ``(x, y)`` pair, built once per step outside the model; a vector
+    over the layers for :class:`~adaloss_jax._stream.Steps` (read as stored, from
+    ``stacked``, ``{group: its slots' vector}``, where they are one group's slots).
 
     A set's min is computed once (:func:`~adaloss_jax._transforms.min_once`) from the
     largest smaller set already computed inside it and the groups it adds: along a
@@ -324,8 +326,14 @@ def anchor_scales(log2: dict, pairs: Sequence[tuple]) -> tuple[dict, dict]:
     # once, as its own small kernel, where it would copy ``pow2(sx - sy)`` into every
     # kernel that converts a cotangent; those kernels then differ only in the buffer they
     # read the ratio from, and identical kernels (one per layer) are compiled once.
+    stacked = stacked or {}
     for a in layered:  # a value per layer
-        sigma[a] = jnp.stack([sigma[x] for x in a])
+        own = {split_slot(x[0]) for x in a if len(x) == 1}
+        g = next(iter(own))[0] if len(own) == len(a) and None not in own else None
+        if g in stacked and [(g, i) for i in range(len(a))] == [split_slot(x[0]) for x in a]:
+            sigma[a] = stacked[g]
+        else:
+            sigma[a] = jnp.stack([sigma[x] for x in a])
     converted = dict.fromkeys(a for x, y in pairs if x != y for a in (x, y))
     scale = {a: _formats.pow2(sigma[a]) for a in converted}
     ratios = {(x, y): scale[x] / scale[y] for x, y in pairs if x != y}

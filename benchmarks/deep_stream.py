@@ -58,26 +58,33 @@ def run_depth(args) -> None:
         for groups in ("global", "module"):
             t0 = time.perf_counter()
             key = f"{groups}{'-scanned' if scan else ''}"
+            params = _models.sigmoid_mlp(jnp.float32, depth=args.depth).init(
+                jax.random.key(0), x)["params"]  # the scanned twin: the same weights
             scaled, ref, ad = settle_and_probe(m16, m32, alj.adaptive(groups=groups, **fmt),
-                                               x, y)
+                                               x, y, params=_models.stack_layers(params)
+                                               if scan else params)
             rows[key] = layer_underflow(scaled, ref, span)
             print(f"[{key}: {time.perf_counter() - t0:.1f} s; skipped "
                   f"{int(ad.base.total_skipped)} of 6]", flush=True)
             if groups == "module":
-                scales[key] = [float(ad.log2_scales[g])
+                # (a state without slots, before 0.2's scanned stacks: the stack's one)
+                scales[key] = [float(ad.log2_scales[g if g in ad.groups else g[:g.rfind("[")]])
                                for g in layer_groups(args.depth, scan)]
-    held = f", share of the elements within {span:.1f} binades of the layer's amax" \
-        if args.e4m3 else ""
+    held = (f", share of the elements within {span:.1f} binades of the layer's amax (of "
+            f"all elements)") if args.e4m3 else ""
     print(f"\n{args.depth} x (Dense(128) + sigmoid), {'e4m3' if args.e4m3 else 'fp16'} "
           f"cotangents, batch 128; kernel-gradient underflow per layer after 6 settling "
-          f"steps{held}; unrolled layers and the same layers in one nn.scan")
+          f"steps{held}; unrolled layers and the same layers (same weights) in one "
+          f"nn.scan")
     cols = list(rows)
     print(f"{'layer':<7} {'log2 amax fp32':>14} " + " ".join(f"{c:>15}" for c in cols)
           + f" {'log2 scale':>10} {'(scanned)':>9}")
     pick = 2 if args.e4m3 else 0
     for i in range(args.depth + 1):
         print(f"{i:<7} {rows['global'][i][1]:>14.1f} "
-              + " ".join(f"{100 * rows[c][i][pick]:>14.2f}%" for c in cols)
+              + " ".join(f"{100 * rows[c][i][pick]:>14.2f}%" if not args.e4m3 else
+                         f"{100 * rows[c][i][2]:>5.2f}% ({100 * rows[c][i][0]:>5.1f}%)"
+                         for c in cols)
               + f" {scales['module'][i]:>10.0f} {scales['module-scanned'][i]:>9.0f}")
     print("\nworst layer: " + ", ".join(
         f"{c} {100 * max(r[pick] for r in rows[c]):.2f}%" for c in cols))

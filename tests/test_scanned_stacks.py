@@ -20,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import adaloss_jax as alj
+from adaloss_jax import _adaptive
+from adaloss_jax._state import GroupVector
 from adaloss_jax.bench import _deep, _models
 from adaloss_jax.equinox import eqx_adaptive_value_and_grad
 from adaloss_jax.flax import nnx_adaptive_value_and_grad
@@ -278,3 +280,66 @@ def test_scanned_sigmoid_stack_in_e4m3_flushes_under_one_percent_per_layer():
     held = [u[2] for u in _deep.layer_underflow(scaled, ref, _deep.guaranteed_span(scaler))]
     assert len(held) == 9 and "layers/layer/Dense_0[6]" in state.groups
     assert max(held) < 0.01, held
+
+
+# --- which groups get slots, and where a stack keeps one scale ---------------------------
+
+
+def test_which_groups_may_be_stacks():
+    """A slot per layer for groups whose leaves share a leading axis and are not one
+    plain matrix; none for plain layers, embeddings, norms or global scaling."""
+    f = jnp.zeros
+    params = {
+        "scanned_dense": {"kernel": f((3, 4, 4)), "bias": f((3, 4))},
+        "scanned_norm": {"scale": f((5, 4)), "bias": f((5, 4))},
+        "dense": {"kernel": f((4, 4)), "bias": f((4,))},
+        "square": {"w": f((4, 4))},
+        "embed": {"embedding": f((256, 8))},
+        "norm": {"scale": f((4,)), "bias": f((4,))},
+        "mixed": {"a": f((3, 4, 4)), "b": f((2, 4))},
+    }
+    module = alj.adaptive(groups="module")
+    assert _adaptive.stack_lengths(params, module) == {"scanned_dense": 3, "scanned_norm": 5}
+    assert _adaptive.stack_lengths(params, alj.adaptive()) == {}
+    groups = alj.adaptive_unscale(module).init(params).groups
+    assert [g for g in groups if g.startswith("scanned_dense")] == [
+        "scanned_dense", "scanned_dense[0]", "scanned_dense[1]", "scanned_dense[2]"]
+
+
+def test_slots_are_stored_as_one_vector_per_stack():
+    names = ("", "a", "s", "s[0]", "s[1]", "s[2]", "t")
+    v = GroupVector(names, jnp.arange(7.0), split=True)
+    assert len(jax.tree_util.tree_leaves(v)) == 5  # "", a, s, s[0..2] as one, t
+    assert float(v["s[1]"]) == 4.0 and v.stacked("s").tolist() == [3.0, 4.0, 5.0]
+    assert v.array.tolist() == list(range(7))
+    back = jax.tree_util.tree_map(lambda x: x + 1, v)
+    assert back.names == names and back.array.tolist() == list(range(1, 8))
+
+
+def test_a_stack_scanned_over_otherwise_keeps_one_scale():
+    """Parameters transformed before the scan (here scaled), or read elsewhere too: the
+    stack keeps one scale for all its layers, and the gradients are right."""
+    depth = 3
+    p = _params(depth)
+    stacked = alj.scale_group("stack")(_layer_fn(False))
+    head = alj.scale_group("head")(lambda w, x: x @ w["kernel"].astype(x.dtype))
+
+    def transformed(p, x):
+        w = jax.tree_util.tree_map(lambda a: a * 0.5, p["stack"])
+        h, _ = jax.lax.scan(lambda c, w: (stacked(w, c), None), x, w)
+        return jnp.sum(head(p["head"], h) ** 2) * 2.0**-8
+
+    def read_twice(p, x):
+        h, _ = jax.lax.scan(lambda c, w: (stacked(w, c), None), x, p["stack"])
+        return jnp.sum(head(p["head"], h) ** 2) * 2.0**-8 + jnp.sum(p["stack"]["bias"])
+
+    x = jax.random.normal(jax.random.key(1), (4, W))
+    tx = alj.adaptive_unscale(SCALER)
+    params = {"stack": p["stack"], "head": p["head"]}
+    state = tx.init(params).with_log2_scales({"stack": 6, "head": 3, "": 2})
+    for loss_fn in (transformed, read_twice):
+        _, g, stats = jax.jit(alj.adaptive_value_and_grad(loss_fn))(state, params, x)
+        assert "stack" in stats.amax and "stack[0]" not in stats.amax
+        u, _ = tx.update(g, state, params, scale_stats=stats)
+        ref = jax.grad(loss_fn)(params, x)
+        np.testing.assert_allclose(u["stack"]["kernel"], ref["stack"]["kernel"], rtol=1e-5)

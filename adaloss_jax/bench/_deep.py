@@ -48,10 +48,12 @@ def guaranteed_span(scaler) -> float:
     return float(np.log2(fmt.max / fmt.min_subnormal)) - scaler.margin - 1
 
 
-def settle_and_probe(model16, model32, scaler, x, y, steps: int = 6):
+def settle_and_probe(model16, model32, scaler, x, y, steps: int = 6, params=None):
     """Scales settled over ``steps`` steps at learning rate 0; the scaled gradients of the
-    next step, the fp32 reference and the scaler's state."""
-    params = model32.init(jax.random.key(0), x)["params"]
+    next step, the fp32 reference and the scaler's state. ``params``: the model's
+    (default: initialised with key 0)."""
+    if params is None:
+        params = model32.init(jax.random.key(0), x)["params"]
     loss16 = xent_loss(model16)
     tx, step = scaled_step(loss16, optax.sgd(0.0), scaler)
     opt_state = tx.init(params)

@@ -96,7 +96,9 @@ def scanned(cls, kwargs: dict, length: int, name: str):
     """``length`` layers ``cls(**kwargs)`` (parameters stacked along a leading axis) run
     by ``nn.scan``, one compiled body whatever the depth: a function ``x -> y``, called
     inside a compact method (its parameters: ``name/layer/...``)."""
-    stack = nn.scan(_Carried, variable_axes={"params": 0}, split_rngs={"params": True},
+    # flax's fp8 layers keep their scales in a collection of their own: one per layer too.
+    axes = {"params": 0, "_overwrite_with_gradient": 0}
+    stack = nn.scan(_Carried, variable_axes=axes, split_rngs={"params": True},
                     length=length)(cls, tuple(kwargs.items()), name=name)
     return lambda x: stack(x, None)[0]
 
@@ -248,3 +250,13 @@ def layer_kernels(params) -> list:
     stacked = params["layers"]["layer"]["Dense_0"]["kernel"]
     return ([params["Dense_0"]["kernel"]] + [stacked[i] for i in range(stacked.shape[0])]
             + [params["head"]["kernel"]])
+
+
+def stack_layers(params) -> dict:
+    """An unrolled :class:`DeepMLP`'s parameters laid out for the same model with
+    ``scan=True``: the same weights, layers 1.. stacked (its twin)."""
+    n = len(params) - 1  # Dense_0 .. Dense_{n-1}, then the head Dense_n
+    stacked = jax.tree_util.tree_map(lambda *a: jnp.stack(a),
+                                     *[params[f"Dense_{i}"] for i in range(1, n)])
+    return {"Dense_0": params["Dense_0"], "layers": {"layer": {"Dense_0": stacked}},
+            "head": params[f"Dense_{n}"]}

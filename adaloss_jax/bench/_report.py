@@ -216,11 +216,12 @@ def plot_group(rows: list[dict], configs: list[str], title: str, stem: str) -> l
         ax.grid(alpha=0.3)
         for ax, c in zip(axes[0][1:], module_cfgs):
             r = by_cfg[c][0]
-            groups = sorted(r["probes"][0]["group_log2_scales"])
+            # The groups shown may change (a stack's slots replace it once measured).
+            groups = list(dict.fromkeys(g for p in r["probes"] for g in p["group_log2_scales"]))
             xs = [p["step"] for p in r["probes"]]
             for g in groups:
-                ax.plot(xs, [p["group_log2_scales"][g] for p in r["probes"]], marker=".",
-                        lw=0.8, label=g or "(root)")
+                ax.plot(xs, [p["group_log2_scales"].get(g, math.nan) for p in r["probes"]],
+                        marker=".", lw=0.8, label=g or "(root)")
             ax.set_xlabel("step")
             ax.set_ylabel("log2 group scale")
             ax.set_title(f"{c}: per-group scales (seed {r['seed']})", fontsize=9)

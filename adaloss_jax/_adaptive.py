@@ -39,11 +39,13 @@ from adaloss_jax import (
 from adaloss_jax._config import AdaptiveScale
 from adaloss_jax._state import (
     AdaptiveScaleState,
+    GroupVector,
     ScaleStats,
     check_fingerprint,
     fingerprint,
     initial_state,
     slot_name,
+    slot_runs,
     split_slot,
 )
 from adaloss_jax._tree import ROOT
@@ -281,10 +283,9 @@ def adaptive_value_and_grad(
                 f"the loss calls scale groups {missing[:5]} that the optimizer state does not "
                 f"know (state groups: {list(state.groups)[:8]}); build the state with "
                 f"tx.init on the parameters this loss is given")
-        log2 = {g: state.log2_scales[g] for g in groups}
-        stacks = {b[0] for b in map(split_slot, groups) if b is not None}
-        sigma, ratios = _apply.anchor_scales(
-            log2, program.pairs(), {g: state.log2_scales.stacked(g) for g in stacks})
+        used = _in_use(state.log2_scales, groups)
+        log2 = _Scales(state.log2_scales)
+        _, ratios = _apply.anchor_scales(log2, program.pairs(), used)
         sites = program.sites()
         dummies = [jnp.zeros((*s.lead, program.columns.width), jnp.float32) for s in sites]
         rest = rec.dynamic[rec.n_params:]
@@ -306,12 +307,32 @@ def adaptive_value_and_grad(
             specs += ([s.row] if s.layer_axis is None else  # a row per layer
                       [_channel.Row(_stream.at(s.row.y, i), _stream.at(s.row.x, i),
                                     s.row.y_max, s.row.x_max) for i in range(s.lead[s.layer_axis])])
-        stats = _channel.decode(specs, values, groups, log2, sigma, program.columns,
-                                scaler.format.max)
+        stats = _channel.decode(specs, values, used, program.columns, scaler.format.max)
         stats = dataclasses.replace(stats, fingerprint=fingerprint(params))
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return wrapped
+
+
+class _Scales(dict):
+    """``log2[g]``: group ``g``'s log2 scale, read from the state when first asked for
+    (a stack's slots are read as one vector, not one by one)."""
+
+    def __init__(self, scales: GroupVector):
+        super().__init__()
+        self.scales = scales
+
+    def __missing__(self, g):
+        self[g] = value = self.scales[g]
+        return value
+
+
+def _in_use(scales: GroupVector, groups: list[str]) -> GroupVector:
+    """The log2 scales of the groups in use, a stack's slots as its stored vector."""
+    parts = []
+    for a, _, stacked in slot_runs(tuple(groups)):
+        parts.append(scales.stacked(split_slot(groups[a])[0]) if stacked else scales[groups[a]])
+    return GroupVector(groups, tuple(parts), split=True)
 
 
 def adaptive_state(tree: Any) -> AdaptiveScaleState:

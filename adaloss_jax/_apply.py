@@ -28,7 +28,7 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 
 from adaloss_jax import _channel, _formats, _jaxpr
-from adaloss_jax._state import slot_name, split_slot
+from adaloss_jax._state import slot_name
 from adaloss_jax._stream import Plan, Steps
 from adaloss_jax._transforms import min_once
 
@@ -300,11 +300,14 @@ def _eval_run(run: list, env: dict, read) -> None:
         env[v] = x
 
 
-def anchor_scales(log2: dict, pairs: Sequence[tuple], stacked=None) -> tuple[dict, dict]:
+def anchor_scales(log2, pairs: Sequence[tuple], used) -> tuple[dict, dict]:
     """The log2 scale of every anchor set (the min over it) and the ratio ``S_x / S_y`` of
-    every converting ``(x, y)`` pair, built once per step outside the model; a vector
-    over the layers for :class:`~adaloss_jax._stream.Steps` (read as stored, from
-    ``stacked``, ``{group: its slots' vector}``, where they are one group's slots).
+    every converting ``(x, y)`` pair, built once per step outside the model.
+    ``log2[g]``: a group's log2 scale; ``used``: every group's, a
+    :class:`~adaloss_jax._state.GroupVector` (a stack's slots as one vector).
+
+    Anchors that vary by layer (:class:`~adaloss_jax._stream.Steps`) get a vector over
+    the layers, gathered from ``used`` at once (a gather and a min, whatever the depth).
 
     A set's min is computed once (:func:`~adaloss_jax._transforms.min_once`) from the
     largest smaller set already computed inside it and the groups it adds: along a
@@ -314,7 +317,7 @@ def anchor_scales(log2: dict, pairs: Sequence[tuple], stacked=None) -> tuple[dic
     layered = {a for pair in pairs for a in pair if isinstance(a, Steps)}
     plain = {a for pair in pairs for a in pair if not isinstance(a, Steps)}
     sigma: dict = {}
-    for a in sorted(plain | {x for s in layered for x in s}, key=len):
+    for a in sorted(plain, key=len):
         if len(a) == 1:
             sigma[a] = log2[a[0]]
             continue
@@ -326,14 +329,13 @@ def anchor_scales(log2: dict, pairs: Sequence[tuple], stacked=None) -> tuple[dic
     # once, as its own small kernel, where it would copy ``pow2(sx - sy)`` into every
     # kernel that converts a cotangent; those kernels then differ only in the buffer they
     # read the ratio from, and identical kernels (one per layer) are compiled once.
-    stacked = stacked or {}
-    for a in layered:  # a value per layer
-        own = {split_slot(x[0]) for x in a if len(x) == 1}
-        g = next(iter(own))[0] if len(own) == len(a) and None not in own else None
-        if g in stacked and [(g, i) for i in range(len(a))] == [split_slot(x[0]) for x in a]:
-            sigma[a] = stacked[g]
-        else:
-            sigma[a] = jnp.stack([sigma[x] for x in a])
+    if layered:  # a value per layer
+        flat = used.array
+        for a in layered:
+            width = max(len(x) for x in a)
+            idx = [[used.index(g) for g in x] + [used.index(x[0])] * (width - len(x))
+                   for x in a]
+            sigma[a] = jnp.min(flat[jnp.asarray(idx, jnp.int32)], axis=1)
     converted = dict.fromkeys(a for x, y in pairs if x != y for a in (x, y))
     scale = {a: _formats.pow2(sigma[a]) for a in converted}
     ratios = {(x, y): scale[x] / scale[y] for x, y in pairs if x != y}

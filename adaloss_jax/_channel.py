@@ -235,8 +235,8 @@ def _shift_hist(hist: jax.Array, k) -> jax.Array:
     return jnp.diff(c2)
 
 
-def decode(rows: Sequence[Row], values: Sequence[jax.Array], groups: Sequence[str],
-           log2: dict, sigma: dict, columns: Columns, fmt_max: float) -> ScaleStats:
+def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
+           columns: Columns, fmt_max: float) -> ScaleStats:
     """Rows -> per-group statistics, each at its group's scale.
 
     A row counts for every group anchoring either of its sides, shifted to that group's
@@ -250,17 +250,14 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], groups: Sequence[st
       rows: the static description of each row, in the order of ``values``.
       values: each row's array (stacked rows already reduced: :func:`reduce_rows`), or
         several rows' as one array (a row per layer of a stack: ``(layers, width)``).
-      groups: the groups in use.
-      log2: ``{group: log2 scale}`` of each.
-      sigma: ``{anchor set: log2 scale}`` of every anchor set of ``rows``.
+      used: the log2 scale of each group in use (an anchor set's is the min over it).
       columns: the row layout.
       fmt_max: the largest finite value of the scaler's format.
 
     Vectorised over rows with static index arrays: a handful of ops whatever the
-    model's size.
+    model's size and depth.
     """
-    groups = tuple(groups)
-    used = GroupVector(groups, [log2[g] for g in groups], split=True)
+    groups = used.names
     log2 = used.array
     gi = {g: i for i, g in enumerate(groups)}
     ng = len(groups)
@@ -287,7 +284,10 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], groups: Sequence[st
             e_set.append(si[row.y])
             e_lim.append(fmt_max / lim)
     e_row, e_grp, e_set = (jnp.asarray(v, jnp.int32) for v in (e_row, e_grp, e_set))
-    sigma_vec = jnp.stack([jnp.asarray(sigma[a], jnp.float32) for a in sets])
+    # Every set's scale at once (one gather and a min; a set's row padded with its first).
+    width = max(len(a) for a in sets)
+    members = [[gi[g] for g in a] + [gi[a[0]]] * (width - len(a)) for a in sets]
+    sigma_vec = jnp.min(log2[jnp.asarray(members, jnp.int32)], axis=1)
     k = log2[e_grp] - sigma_vec[e_set]
     f = _formats.pow2(k)
     a = m[e_row, _AMAX] * jnp.asarray(e_lim, jnp.float32) * f

@@ -37,7 +37,7 @@ def split_slot(name: str) -> tuple[str, int] | None:
     return (base, int(i)) if i.isdigit() else None
 
 
-def _runs(names: tuple[str, ...]) -> tuple[tuple[int, int, bool], ...]:
+def slot_runs(names: tuple[str, ...]) -> tuple[tuple[int, int, bool], ...]:
     """``(start, stop, stacked)`` per stored part: a stacked group's slots ``g[0]``,
     ``g[1]``, ... (consecutive) are one part, any other name is a part of its own."""
     runs, i = [], 0
@@ -83,7 +83,7 @@ class GroupVector(Mapping):
     def __init__(self, names, array, *, split: bool = False):
         self.names = tuple(names)
         self.split = split
-        self._runs = _runs(self.names) if split else ()
+        self._runs = slot_runs(self.names) if split else ()
         if split and isinstance(array, tuple | list) and len(array) == len(self.names):
             array = tuple(jnp.stack(array[a:b], axis=-1) if stacked else array[a]
                           for a, b, stacked in self._runs)

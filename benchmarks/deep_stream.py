@@ -9,18 +9,22 @@ Two measurements, each global (``groups="global"``) against per-layer
   that are non-zero in an fp32 recomputation and zero in the scaled fp16 gradients is
   printed per layer, with the fp32 gradient's log2 amax. Sigmoid's derivative (<= 1/4)
   shrinks the cotangent about 2 binades a layer, so the layers' ranges spread far wider
-  than fp16's.
+  than fp16's. ``--e4m3``: cotangents rounded to e4m3 (try ``--depth 8``). Each is
+  measured on the stack written as a Python loop and on its twin in one ``nn.scan``
+  (the same weights, layers 1.. stacked).
 * ``fp8``: ``--fp8-depth`` (8) x (Dense(128) + sigmoid) on Fashion-MNIST (Debian's
   ``dataset-fashion-mnist``), Adam ``--lr`` (1e-3), batch 128, ``--steps`` (3000: by
   then fp32 learns on every seed), fp16 compute with cotangents rounded to e4m3 where
   they enter each Dense (``simulate=True``), and fp32; per seed: test accuracy, skipped
   steps and per-layer underflow at the end (of all kernel-gradient elements, and of those
   within the span below the layer's amax that any one scale per tensor holds).
+  ``--scan``: the stack in one ``nn.scan``, from the weights the loop starts from.
 
 Usage::
 
     python benchmarks/deep_stream.py depth
-    python benchmarks/deep_stream.py fp8 --seeds 0,1,2
+    python benchmarks/deep_stream.py depth --depth 8 --e4m3
+    python benchmarks/deep_stream.py fp8 --seeds 0,1,2 [--scan]
 """
 
 from __future__ import annotations
@@ -112,7 +116,10 @@ def run_fp8(args) -> None:
         idx = _data.epoch_indices(len(train_x), 128, args.steps, seed)
         for name, scaler in configs.items():
             t0 = time.perf_counter()
-            params = m32.init(jax.random.key(seed), probe[0])["params"]
+            params = _models.sigmoid_mlp(jnp.float32, depth=args.fp8_depth).init(
+                jax.random.key(seed), probe[0])["params"]
+            if args.scan:  # the unrolled stack's scanned twin: the same weights
+                params = _models.stack_layers(params)
             if scaler is None:
                 loss32 = xent_loss(m32)
                 tx = optax.adam(args.lr)
@@ -187,7 +194,8 @@ def main(argv=None) -> int:
     p.add_argument("--seeds", default="0,1,2")
     p.add_argument("--e4m3", action="store_true", help="depth: e4m3 cotangents "
                    "(simulated) instead of fp16; try --depth 8")
-    p.add_argument("--scan", action="store_true", help="fp8: the stack as one nn.scan")
+    p.add_argument("--scan", action="store_true", help="fp8: the stack as one nn.scan, "
+                   "with the weights the unrolled stack starts from")
     args = p.parse_args(argv)
     (run_depth if args.what == "depth" else run_fp8)(args)
     return 0

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from adaloss_jax import _channel
+from adaloss_jax._state import GroupVector
 
 COLS = _channel.Columns(sumsq=True, hist_lo=-40)
 FP16 = 65504.0
@@ -70,9 +71,8 @@ def test_decode_attributes_rows_to_the_groups_of_both_sides():
     rows = [_channel.Row(y=("a",), x=("",), y_max=FP16, x_max=FP16),
             _channel.Row(y=("b",), x=("b",), y_max=FP16, x_max=FP16)]
     values = [jnp.asarray([8.0, 0.0, 0.0]), jnp.asarray([jnp.inf, 1.0, 1.0])]
-    log2 = {"": jnp.float32(2.0), "a": jnp.float32(5.0), "b": jnp.float32(0.0)}
-    sigma = {("",): log2[""], ("a",): log2["a"], ("b",): log2["b"]}
-    stats = _channel.decode(rows, values, ("", "a", "b"), log2, sigma, cols, FP16)
+    used = GroupVector(("", "a", "b"), jnp.asarray([2.0, 5.0, 0.0]), split=True)
+    stats = _channel.decode(rows, values, used, cols, FP16)
     assert float(stats.amax["a"]) == 8.0
     assert float(stats.amax[""]) == 8.0 * 2.0 ** (2 - 5)  # at the root's scale
     assert float(stats.amax["b"]) == np.inf

@@ -62,14 +62,15 @@ def loss_scale_of(scale: Any) -> jax.Array:
     Args:
       scale: ``None`` (no scaling: 1), a positive Python number, a scalar array, a
         :class:`~adaloss_jax.LossScaleState`, or an optimizer state holding exactly
-        one (``alj.loss_scaled(...)``'s state, a ``TrainState.opt_state``).
+        one (``alj.loss_scaled(...)``'s state, a ``TrainState.opt_state``, the state
+        of a one-group adaptive scaler, ``alj.adaptive()``).
 
     Returns:
       An fp32 scalar.
 
     Raises:
-      TypeError / ValueError: for anything else (an adaptive scaler's state, whose groups
-        have scales of their own, included), naming what it got.
+      TypeError / ValueError: for anything else (the state of an adaptive scaler with
+        several groups, each with a scale of its own, included), naming what it got.
 
     >>> float(loss_scale_of(2.0**10))
     1024.0
@@ -92,9 +93,9 @@ def loss_scale_of(scale: Any) -> jax.Array:
             f"scale must be a number, a scalar array, a LossScaleState or an optimizer "
             f"state holding one, got {type(scale).__name__}; ({e})"
         ) from e
-    if isinstance(state, AdaptiveScaleState):
+    if isinstance(state, AdaptiveScaleState) and len(state.groups) > 1:
         raise TypeError(
-            "scale is the state of an adaptive scaler, whose groups each have their own "
+            "scale is the state of an adaptive scaler whose groups each have their own "
             "scale; measure them with adaloss_jax.scale_table(opt_state), or pass one "
             "number, e.g. scale=state.loss_scale for the root's")
     return state.loss_scale

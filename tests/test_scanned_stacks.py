@@ -14,6 +14,7 @@ import equinox as eqx
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -105,7 +106,7 @@ def _slots(stats, depth):
     return {f"layer{i}": f"stack[{i}]" for i in range(depth)}
 
 
-@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(deadline=None, suppress_health_check=[HealthCheck.too_slow])  # examples: the profile
 @given(depth=st.integers(2, 4), residual=st.booleans(), reverse=st.booleans(),
        emit=st.booleans(), remat=st.booleans(), data=st.data())
 def test_scanned_stack_equals_its_unrolled_twin_exactly_in_fp32(depth, residual, reverse,
@@ -207,6 +208,7 @@ def test_nn_scan_stack_gets_a_scale_per_layer_equal_to_its_python_loop_twin():
                                       u_loop[f"Dense_{i + 1}"]["kernel"])
 
 
+@pytest.mark.slow
 def test_nnx_scan_and_equinox_stacks_get_a_scale_per_layer():
     """nnx.scan over nnx.vmap-made layers, and an Equinox stack (filter_vmap) run by
     lax.scan: each layer has a slot, and the fp32 gradients are those of the loss."""
@@ -265,6 +267,7 @@ def test_nnx_scan_and_equinox_stacks_get_a_scale_per_layer():
 # --- the issue's case: 8 x (Dense(128) + sigmoid) with nn.scan, e4m3 ------------------
 
 
+@pytest.mark.slow
 def test_scanned_sigmoid_stack_in_e4m3_flushes_under_one_percent_per_layer():
     """The issue's case: 8 x (Dense(128) + sigmoid) in one nn.scan, e4m3 cotangents,
     per module, a random batch, scales settled over 6 steps. The layers' ranges spread

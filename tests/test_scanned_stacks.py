@@ -347,3 +347,29 @@ def test_a_stack_scanned_over_otherwise_keeps_one_scale():
         u, _ = tx.update(g, state, params, scale_stats=stats)
         ref = jax.grad(loss_fn)(params, x)
         np.testing.assert_allclose(u["stack"]["kernel"], ref["stack"]["kernel"], rtol=1e-5)
+
+
+def test_per_example_vmap_around_a_scanned_stack_measures_the_batched_loss():
+    """``jax.vmap`` of a per-example loss around the scanned stack: the stack still gets
+    its slots, measures what the batched loss measures, and unscales exactly (fp32)."""
+    p = _params(3)
+    params = {"stack": p["stack"], "head": p["head"]}
+    stacked = alj.scale_group("stack")(_layer_fn(False))
+    head = alj.scale_group("head")(lambda w, x: x @ w["kernel"].astype(x.dtype))
+
+    def batched(p, x):
+        h, _ = jax.lax.scan(lambda c, w: (stacked(w, c), None), x, p["stack"])
+        return jnp.sum(head(p["head"], h) ** 2) * 2.0**-8
+
+    per_example = lambda p, x: jnp.sum(jax.vmap(batched, in_axes=(None, 0))(p, x))
+    x = jax.random.normal(jax.random.key(1), (4, W))
+    tx = alj.adaptive_unscale(SCALER)
+    state = tx.init(params).with_log2_scales(
+        {"stack[0]": 3, "stack[1]": 7, "stack[2]": -2, "head": 4, "": 1})
+    _, g, stats = jax.jit(alj.adaptive_value_and_grad(per_example))(state, params, x)
+    _, _, whole = jax.jit(alj.adaptive_value_and_grad(batched))(state, params, x)
+    assert sorted(stats.amax) == ["", "head", "stack[0]", "stack[1]", "stack[2]"]
+    np.testing.assert_allclose(stats.amax.array, whole.amax.array, rtol=1e-6)
+    u, _ = tx.update(g, state, params, scale_stats=stats)
+    ref = jax.grad(per_example)(params, x)
+    np.testing.assert_allclose(u["stack"]["kernel"], ref["stack"]["kernel"], rtol=1e-5)

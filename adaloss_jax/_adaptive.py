@@ -283,35 +283,139 @@ def adaptive_value_and_grad(
                 f"the loss calls scale groups {missing[:5]} that the optimizer state does not "
                 f"know (state groups: {list(state.groups)[:8]}); build the state with "
                 f"tx.init on the parameters this loss is given")
-        used = _in_use(state.log2_scales, groups)
-        log2 = _Scales(state.log2_scales)
-        _, ratios = _apply.anchor_scales(log2, program.pairs(), used)
         sites = program.sites()
-        dummies = [jnp.zeros((*s.lead, program.columns.width), jnp.float32) for s in sites]
         rest = rec.dynamic[rec.n_params:]
+        treedef = jax.tree_util.tree_structure(params)
 
-        def scaled(param_values, dummies):
-            outs = program.evaluate([*param_values, *rest], dummies, ratios)
-            out = rec.output(outs)
-            loss, aux = out if has_aux else (out, None)
-            loss32 = jnp.asarray(loss).astype(jnp.float32)
-            return loss32 * _formats.pow2(log2[ROOT]), (loss, aux)
+        def attempt(scales: GroupVector):
+            """The loss, the scaled gradients and the statistics at ``scales``."""
+            used = _in_use(scales, groups)
+            log2 = _Scales(scales)
+            _, ratios = _apply.anchor_scales(log2, program.pairs(), used)
+            dummies = [jnp.zeros((*s.lead, program.columns.width), jnp.float32)
+                       for s in sites]
 
-        (_, (loss, aux)), (g_values, rows) = jax.value_and_grad(
-            scaled, argnums=(0, 1), has_aux=True)(rec.dynamic[:rec.n_params], dummies)
-        grads = jax.tree_util.tree_unflatten(jax.tree_util.tree_structure(params), g_values)
-        specs, values = [], []
-        for r, s in zip(rows, sites):
-            axes = [a for a in range(len(s.lead)) if a != s.layer_axis]
-            values.append(_channel.reduce_rows(r, axes))
-            specs += ([s.row] if s.layer_axis is None else  # a row per layer
-                      [_channel.Row(_stream.at(s.row.y, i), _stream.at(s.row.x, i),
-                                    s.row.y_max, s.row.x_max) for i in range(s.lead[s.layer_axis])])
-        stats = _channel.decode(specs, values, used, program.columns, scaler.format.max)
+            def scaled(param_values, dummies):
+                outs = program.evaluate([*param_values, *rest], dummies, ratios)
+                out = rec.output(outs)
+                loss, aux = out if has_aux else (out, None)
+                loss32 = jnp.asarray(loss).astype(jnp.float32)
+                return loss32 * _formats.pow2(log2[ROOT]), (loss, aux)
+
+            (_, value), (g_values, rows) = jax.value_and_grad(
+                scaled, argnums=(0, 1), has_aux=True)(rec.dynamic[:rec.n_params], dummies)
+            grads = jax.tree_util.tree_unflatten(treedef, g_values)
+            return value, grads, _decode(program, sites, rows, used, scaler)
+
+        if scaler.retries:
+            (loss, aux), grads, stats = _until_applied(attempt, state)
+        else:
+            (loss, aux), grads, stats = attempt(state.log2_scales)
         stats = dataclasses.replace(stats, fingerprint=fingerprint(params))
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return wrapped
+
+
+def _decode(program: _apply.Program, sites, rows, used: GroupVector,
+            scaler: AdaptiveScale) -> ScaleStats:
+    """The rows of one backward pass as per-group statistics (a stack's rows per layer)."""
+    specs, values = [], []
+    for r, s in zip(rows, sites):
+        axes = [a for a in range(len(s.lead)) if a != s.layer_axis]
+        values.append(_channel.reduce_rows(r, axes))
+        specs += ([s.row] if s.layer_axis is None else  # a row per layer
+                  [_channel.Row(_stream.at(s.row.y, i), _stream.at(s.row.x, i),
+                                s.row.y_max, s.row.x_max) for i in range(s.lead[s.layer_axis])])
+    return _channel.decode(specs, values, used, program.columns, scaler.format.max)
+
+
+def _until_applied(attempt: Callable, state: AdaptiveScaleState):
+    """``attempt(scales)`` at the state's scales, and again, up to ``scaler.retries``
+    times, at the scales the rule sets while it would skip the step and moves a scale
+    (an overflow backed off, a step far below its scale): one ``lax.while_loop``, its
+    body compiled once, one pass when the scales are right. The statistics returned
+    carry the state their pass was computed at (``ScaleStats.prior``), so that the
+    optimizer's rule continues from it.
+
+    A step is still skipped when no scale could change it (a non-finite loss, NaN in
+    the data: the rule holds every scale) or after ``retries`` retries. What the loss
+    returns that is no array (a name, a count in ``aux``) is handed back as it is.
+    """
+    scaler, axis_name = state.scaler, _bound(state.axis_name)
+    layout: dict = {}
+
+    def arrays(out) -> list:
+        leaves, treedef = jax.tree_util.tree_flatten(out)
+        kept = tuple(isinstance(x, jax.Array) for x in leaves)
+        layout.update(treedef=treedef, kept=kept,
+                      other=[x for x, k in zip(leaves, kept) if not k])
+        return [x for x, k in zip(leaves, kept) if k]
+
+    def rebuilt(values: list):
+        it, other = iter(values), iter(layout["other"])
+        return jax.tree_util.tree_unflatten(
+            layout["treedef"], [next(it) if k else next(other) for k in layout["kept"]])
+
+    def body(carry):
+        k, _, prior, _ = carry
+        out = attempt(prior.log2_scales)
+        (loss, _), grads, stats = out
+        _, p_amax = _unscale(grads, stats, scaler, prior)
+        verdict = _rule.adjust(prior, _measured(prior, stats, p_amax, loss, axis_name))
+        moved = jnp.any(verdict.log2_scales.array != prior.log2_scales.array)
+        done = verdict.base.last_applied | ~moved | (k >= scaler.retries)
+        nxt = prior.replace(**{f: getattr(verdict, f) for f in RETRIED})
+        nxt = jax.tree_util.tree_map(lambda a, b: jnp.where(done, a, b), prior, nxt)
+        return k + 1, done, nxt, arrays(out)
+
+    shapes = jax.eval_shape(lambda sc: arrays(attempt(sc)), state.log2_scales)
+    init = (jnp.int32(0), jnp.asarray(False), state,
+            [jnp.zeros(x.shape, x.dtype) for x in shapes])
+    for _ in range(3):  # (inside shard_map: until the carry's types are a fixed point)
+        typed = _typed_like(init, jax.eval_shape(body, init))
+        if jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: a is b, typed, init)):
+            break
+        init = typed
+    # Where the loop stops, the carried state is the one its last pass ran at (a retry
+    # moves it on only when another pass follows).
+    passes, _, prior, values = jax.lax.while_loop(lambda c: ~c[1], body, init)
+    value, grads, stats = rebuilt(values)
+    prior = {f: getattr(prior, f) for f in RETRIED}
+    return value, grads, dataclasses.replace(stats, prior={**prior, "retries": passes - 1})
+
+
+def _bound(axis_name: str | None) -> str | None:
+    """``axis_name`` where it is bound here (inside the ``shard_map`` it names), else
+    None (a state built for a mapped step, used in an unmapped one)."""
+    if axis_name is None:
+        return None
+    try:
+        jax.lax.axis_size(axis_name)
+    except NameError:
+        return None
+    return axis_name
+
+
+def _typed_like(tree, types):
+    """``tree`` with each leaf made varying over the manual axes (inside ``shard_map``)
+    that the matching leaf of ``types`` varies over, as a loop's carry must be."""
+
+    def varying(x) -> frozenset:
+        t = getattr(x, "manual_axis_type", None)
+        if t is None:
+            t = getattr(jax.typeof(x), "manual_axis_type", None)
+        return frozenset(getattr(t, "varying", ()) or ())
+
+    def cast(x, t):
+        x = jnp.asarray(x)
+        extra = varying(t) - varying(x)
+        return jax.lax.pcast(x, tuple(sorted(extra)), to="varying") if extra else x
+
+    return jax.tree_util.tree_map(cast, tree, types)
+
+
+RETRIED = ("log2_scales", "log2_amax", "overflowed", "headroom", "ceiling")
 
 
 class _Scales(dict):
@@ -372,6 +476,11 @@ def _check_update(state: AdaptiveScaleState, scaler: AdaptiveScale, updates,
         check_fingerprint(state.fingerprint, stats.fingerprint, "the scale_stats",
                           "pass the statistics adaptive_value_and_grad returned for this "
                           "model with this optimizer state")
+    if stats.prior is not None and stats.prior["log2_scales"].names != state.groups:
+        raise ValueError(
+            "scale_stats were retried from another optimizer state (its groups differ from "
+            "this state's); pass the statistics adaptive_value_and_grad returned with this "
+            "optimizer state")
     unknown = sorted(set(stats.log2_scales) - set(state.groups), key=_tree.natural)
     if unknown:
         raise ValueError(
@@ -495,11 +604,16 @@ def adaptive_unscale(
             raise ValueError(
                 "params has no leaves: adaptive_unscale keys its scale groups by the modules "
                 "that own parameters; pass the model's parameters to tx.init")
-        return initial_state(params, scaler, param_groups(params, scaler))
+        return initial_state(params, scaler, param_groups(params, scaler)).replace(
+            axis_name=axis_name)
 
     def update_fn(updates, state, params=None, *, loss=None, scale_stats=None, **extra):
         del params, extra
         _check_update(state, scaler, updates, scale_stats)
+        if scale_stats.prior is not None:  # the step may have been retried
+            prior = dict(scale_stats.prior)
+            retries = _reduce(prior.pop("retries"), jax.lax.pmax, axis_name)
+            state = state.replace(**prior, total_retries=state.total_retries + retries)
         updates, p_amax = _unscale(updates, scale_stats, scaler, state)
         state = _rule.adjust(state, _measured(state, scale_stats, p_amax, loss, axis_name))
         return _transforms.signal_skip(updates, state.base.last_applied), state

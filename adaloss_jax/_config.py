@@ -48,6 +48,9 @@ class AdaptiveScale:
     ``factor``                ``16.0``          back-off factor of a group that overflowed
     ``max_rise``              log2(factor) + 1  binades: a step whose statistics call for
                                                 a scale this much higher is not applied
+    ``retries``               ``4``             passes a step may take again, at the
+                                                scales its statistics set, before it is
+                                                skipped (``0``: skip at once)
     ``max_consecutive_skips`` ``16``            skipped steps in a row before ``health``
                                                 flags them
     ``max_depth``             ``None``          scale points only around modules this
@@ -89,6 +92,12 @@ class AdaptiveScale:
         move, and the next step is computed at them. ``None``: ``log2(factor) + 1``: the
         step after a single backoff (back by ``log2(factor)``, plus a binade the
         statistics may have moved) is applied.
+      retries: a step the rule would skip while it moves a scale (an overflow backed
+        off, a step computed far below the scales its statistics call for, the first
+        step at ``initial_scale``) is computed again inside the same step, at the new
+        scales, up to this many times; only then is it skipped. A step no scale can
+        change (a non-finite loss, NaN in the data) is skipped at once. Each retry costs
+        one more forward and backward pass; when the scales are right there is none.
       max_consecutive_skips: ``K``: after ``K`` skipped steps in a row ``health`` says so.
       max_depth: scale points go only around calls of modules nested at most this deep
         (``"Block_0"`` is at depth 1, ``"Block_0/attn"`` at 2); a deeper module's
@@ -116,6 +125,7 @@ class AdaptiveScale:
     max_loss_scale: float = 2.0**64
     factor: float = 16.0
     max_rise: int | None = None
+    retries: int = 4
     max_consecutive_skips: int = 16
     max_depth: int | None = None
     filter: Callable[[tuple[str, ...], Any], bool] | None = None
@@ -156,6 +166,7 @@ class AdaptiveScale:
         if self.max_rise is None:
             object.__setattr__(self, "max_rise", self.backoff + 1)
         _validation.check_int("max_rise", self.max_rise, minimum=0)
+        _validation.check_int("retries", self.retries, minimum=0)
         _validation.check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
         _validation.check_bool("simulate", self.simulate)
         if self.max_depth is not None:

@@ -19,6 +19,8 @@ from adaloss_jax._state import (
     GroupVector,
 )
 
+HEADROOM_RETURN = 1.0 / 256  # binades of learned headroom given back per applied step
+
 
 class Measured(NamedTuple):
     """One step's statistics per group, as vectors in the state's group order (global:
@@ -52,31 +54,57 @@ class Measured(NamedTuple):
 
 def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     """The next state, for the groups the step used (``s_k``: a group's log2 scale, ``u``:
-    its value this step, ``A_k = amax_k / S_k``: its amax at unit scale)::
+    its value this step, ``A_k = amax_k / S_k``: its amax at unit scale, ``h_k``: the
+    headroom it learned from its own overflows)::
 
         held_k  = max(log2 A_k, held_k(previous) - decay)      # held peak; decay=inf: A_k
-        s_k     = floor(log2 u_max - margin - held_k)          # "amax"
-        s_k     = max(s_k, floor(log2 u_max - margin - max_j log2 A_j))   # finite steps,
+        T_k     = floor(log2 u_max - margin - held_k)           # "amax"
+        T_k     = max(T_k, floor(log2 u_max - margin - max_j log2 A_j))   # finite steps,
                   several groups: never below the one global scale (no more flushing)
+        s_k     = T_k - ceil(h_k)
         s_k     = min(s_k, max(0, ceil(log2(u_min / (sqrt(2) erfinv(T) sigma_k)))))
                   # "gaussian"
         s_k     = min(s_k, min{q : #{|x| 2**q < 2 u_min} <= T * n_k})   # "quantile": the
                   n_k non-zero values of the histogram (no answer if its tail is cut off)
         s_k     = s_k(previous)  unless total_applied % period == 0
-        s_k     = s_k(previous) + blind_jump      if nothing was measured (all of it
-                  flushed: blind_jump = floor(log2 u_max - margin - log2 u_min - 1)
-                  cannot overflow what was below u_min / 2)
-        s_k     = s_k(previous) - log2(factor) * 2**n   if an overflow started at k's
-                  scale (n: skipped steps in a row, at most 4, if k also overflowed at
-                  the previous step, else 0); after max_consecutive_skips skips in a
-                  row every group with non-finite values backs off
-        s_k     = s_k(previous)   if k only received non-finite values, or the loss
-                  was not finite (a forward overflow: no scale can fix it)
+        s_k     = s_k(previous) + blind_jump - ceil(h_k)   if nothing was measured
+                  (at least the global floor if h_k == 0)
+                  (all of it flushed: blind_jump = floor(log2 u_max - margin - log2
+                  u_min - 1) cannot overflow what was below u_min / 2; held_k is
+                  lowered to log2 u_min - 1 - u_k, and below a ceiling c_k the jump
+                  goes halfway to it)
+
+        where an overflow started at k's scale u_k (k is blamed):
+        c_k     = min(c_k, u_k)             # its ceiling: the lowest scale that overflowed
+                  (dropped if k later measures nothing at c_k - 1 or above)
+        s_k     = u_k - log2(factor)        (k had a held peak)
+        s_k     = u_k - log2(factor) * 2**n (no peak yet: n skipped steps in a row, at
+                  most 4, if k also overflowed at the previous step, else 0)
+        s_k     = u_k - log2(factor)   for every other group that received only
+                  non-finite values (the overflow hid its statistics: all of them back
+                  off at once, not one group a step); after max_consecutive_skips skips
+                  in a row they are blamed too
+        s_k     = s_k(previous)   if the loss was not finite (a forward overflow: no
+                  scale can fix it), or k received non-finite values nobody overflowed at
+
+        at k's next finite measurement below its ceiling (the growth inside the module
+        that its boundary statistics miss is learned against statistics of the same
+        regime, never against a peak measured before the overflow):
+        h_k     = max(h_k, floor(log2 u_max - margin - log2 A_k) - c_k + d);  c_k = inf
+                  # d = max(1, log2(factor) // 2): these statistics never ask for c_k
+                  again, but for halfway between it and the scale k backed off to
+        h_k     = max(h_k - 1/256, 0)   on an applied step, for each measured group
+                  (a learned binade is given back after 256 applied steps)
+        s_k     = min(s_k, c_k - 1)
         s_k     = clip(s_k, log2 min_loss_scale, log2 max_loss_scale)
 
         applied = grads finite and loss finite and something was measured
                   and no group's new s_k exceeds its used scale by more than max_rise
                   (the step was computed far below the scale its statistics call for)
+
+    So the rule does not cycle: a scale that overflowed is not asked for again on the
+    same statistics (for 256 applied steps per learned binade), and one overflow backs
+    off every group it hid.
 
     Skipped steps count in ``base`` as the global scalers' do, and ``health`` flags a
     run that cannot recover (see :class:`~adaloss_jax.AdaptiveScaleState`).
@@ -101,7 +129,35 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     floor = jnp.where(use_floor, jnp.floor(log2_max - cfg.margin - unit_max), -jnp.inf)
 
     held = unit if cfg.decay == math.inf else jnp.maximum(unit, prev_amax - cfg.decay)
-    target = jnp.maximum(jnp.floor(log2_max - cfg.margin - held), floor)
+    stat_t = jnp.maximum(jnp.floor(log2_max - cfg.margin - held), floor)
+    escalate = base.notfinite_count >= cfg.max_consecutive_skips
+    # Non-finite parameter gradients that no cotangent statistic explains blame their
+    # own groups.
+    blamed = m.bad | (m.param_nonfinite & ~jnp.any(act & m.bad))
+    bad = act & (blamed | (escalate & ~m.grads_finite))
+    # A group that only received non-finite values was hidden by an overflow elsewhere:
+    # it backs off with it (its statistics are lost), or holds when nothing overflowed.
+    hidden = act & ~bad & ~(amax < jnp.inf)
+    backs_off = hidden & jnp.any(bad)
+    hold = ~act | (hidden & ~backs_off)
+    # Headroom: growth inside a module that its boundary statistics miss, learned from
+    # the scale it overflowed at (its ceiling) against its next finite statistics.
+    # (An escalation's blame is no evidence of where overflow starts: no ceiling. A
+    # ceiling that nothing measured can be raised to is dropped: the statistics moved.)
+    ceiling = state.ceiling.array
+    ceiling = jnp.where(act & (amax == 0) & (ceiling <= used + 1), jnp.inf, ceiling)
+    ceiling = jnp.where(act & blamed, jnp.minimum(ceiling, used), ceiling)
+    finite = act & ~bad & (amax > 0) & (amax < jnp.inf)
+    seen = finite & (ceiling < jnp.inf) & m.loss_finite  # (above it: a passing spike)
+    # Learned against this step's own amax (not the held peak, which may still sink):
+    # these statistics then ask for at most halfway between the ceiling and the scale
+    # it backed off to.
+    learned = jnp.floor(log2_max - cfg.margin - unit) - ceiling + max(1, cfg.backoff // 2)
+    room = jnp.where(seen & (used < ceiling), jnp.maximum(state.headroom.array, learned),
+                     state.headroom.array)
+    ceiling = jnp.where(seen, jnp.inf, ceiling)
+
+    target = stat_t - jnp.ceil(room)
     if m.sumsq is not None:
         target = jnp.minimum(target, _gaussian(m.sumsq, m.count, used, cfg))
     if m.hist is not None:
@@ -109,23 +165,28 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     if cfg.period > 1:
         target = jnp.where(recompute, target, log2)
 
-    escalate = base.notfinite_count >= cfg.max_consecutive_skips
-    # Non-finite parameter gradients that no cotangent statistic explains blame their
-    # own groups; a group that only received non-finite values keeps its scale.
-    blamed = m.bad | (m.param_nonfinite & ~jnp.any(act & m.bad))
-    bad = act & (blamed | (escalate & ~m.grads_finite))
-    hold = ~act | (~bad & ~(amax < jnp.inf))
-    drop = cfg.backoff * jnp.where(state.overflowed.array, _formats.pow2(
-        jnp.minimum(base.notfinite_count, 4)), 1.0)
+    blind = state.overflowed.array & ~(prev_amax > -jnp.inf)  # nothing measured yet
+    drop = cfg.backoff * jnp.where(blind, _formats.pow2(jnp.minimum(base.notfinite_count,
+                                                                     4)), 1.0)
     blind_jump = math.floor(log2_max - cfg.margin - math.log2(fmt.min_subnormal) - 1)
-    grown = jnp.maximum(log2 + blind_jump, floor)
-    nxt = jnp.where(bad, log2 - drop, jnp.where(amax > 0, target, grown))
-    nxt = jnp.clip(jnp.where(hold, log2, nxt), lo, hi)
+    # (Other groups' statistics, the floor, lift no group that learned headroom: its
+    # own boundary statistics are known to miss growth inside it.)
+    grown = jnp.where(room > 0, log2 + blind_jump, jnp.maximum(log2 + blind_jump, floor)
+                      ) - jnp.ceil(room)
+    # Below a ceiling the blind jump goes halfway to it: the scale lies in between.
+    grown = jnp.minimum(grown, jnp.floor((log2 + ceiling) / 2))
+    nxt = jnp.where(bad | backs_off, used - drop, jnp.where(amax > 0, target, grown))
+    nxt = jnp.clip(jnp.minimum(jnp.where(hold, log2, nxt), ceiling - 1.0), lo, hi)
     new_log2 = jnp.where(m.loss_finite, nxt, log2).astype(jnp.float32)
 
     measured = jnp.any(act & (amax > 0))
     rise = jnp.where(act & (amax > 0) & ~bad, new_log2 - used, 0.0)
     underscaled = jnp.any(rise > cfg.max_rise)
+    applied = m.grads_finite & m.loss_finite & measured & ~underscaled
+    room = jnp.where(applied & finite, jnp.maximum(room - HEADROOM_RETURN, 0.0), room)
+    keep = ~m.loss_finite
+    room = jnp.where(keep, state.headroom.array, room)
+    ceiling = jnp.where(keep, state.ceiling.array, ceiling)
     new_base = _policies.count_step(base, m.grads_finite & measured & ~underscaled, m.loss_finite)
     new_base = new_base._replace(loss_scale=_formats.pow2(new_log2[0]))
     health = (jnp.where(new_base.notfinite_count >= cfg.max_consecutive_skips,
@@ -133,15 +194,20 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
               | jnp.where(jnp.any(bad & (log2 <= lo)), HEALTH_PINNED_LOW, 0)
               | jnp.where(jnp.any(act & (amax == 0) & (log2 >= hi)) & ~measured,
                           HEALTH_NOTHING_MEASURED, 0)).astype(jnp.int32)
+    # A group that measured nothing had everything below u_min / 2 at its scale: a held
+    # peak above that is stale (else a blind jump and the peak would alternate).
+    flushed = jnp.minimum(prev_amax, math.log2(fmt.min_subnormal) - 1.0 - used)
+    peak = jnp.where(bad | hold | backs_off, prev_amax,
+                     jnp.where(act & (amax == 0) & m.loss_finite, flushed, held))
     names = state.groups
-    return AdaptiveScaleState(
+    return state.replace(
         base=new_base,
         log2_scales=GroupVector(names, _computed_once(new_log2), split=True),
-        log2_amax=GroupVector(names, jnp.where(bad | hold, prev_amax, held).astype(jnp.float32)),
+        log2_amax=GroupVector(names, peak.astype(jnp.float32)),
         overflowed=GroupVector(names, jnp.where(act, bad, state.overflowed.array)),
+        headroom=GroupVector(names, room.astype(jnp.float32)),
+        ceiling=GroupVector(names, ceiling.astype(jnp.float32)),
         health=health,
-        scaler=cfg,
-        fingerprint=state.fingerprint,
     )
 
 

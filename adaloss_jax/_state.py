@@ -192,12 +192,22 @@ class AdaptiveScaleState:
         unit scale (``-inf`` before anything was measured).
       overflowed: :class:`GroupVector` of bool, whether the group overflowed at the last
         step.
+      headroom: :class:`GroupVector` of fp32, binades each group keeps free besides
+        ``margin``, learned from its own overflows (growth inside a module that the
+        statistics at its boundaries do not see) and given back slowly.
+      ceiling: :class:`GroupVector` of fp32, the lowest log2 scale the group overflowed
+        at since its last finite statistics (``inf``: none); no scale at or above it is
+        chosen, and the next finite statistics turn it into headroom.
+      total_retries: int32, passes the gradient function took again inside a step
+        (``AdaptiveScale.retries``) over the run.
       health: int32 bit set, 0 when all is well: ``HEALTH_SKIPPING`` (at least
         ``max_consecutive_skips`` skipped steps in a row), ``HEALTH_PINNED_LOW`` (a group
         overflowed at ``min_loss_scale``), ``HEALTH_NOTHING_MEASURED`` (a group measured
         nothing at ``max_loss_scale``). :func:`adaloss_jax.check_health` explains them.
       scaler: the :class:`~adaloss_jax.AdaptiveScale` the state was built with (static).
       fingerprint: the parameter paths and ranks the state was built for (static).
+      axis_name: the mapped axis statistics are reduced over (static; the optimizer's
+        ``axis_name``), so a retried pass decides alike on every device.
 
     >>> import adaloss_jax as alj
     >>> st = alj.adaptive_unscale(alj.adaptive(groups="module")).init({"a": {"w": jnp.ones(2)}})
@@ -209,9 +219,13 @@ class AdaptiveScaleState:
     log2_scales: GroupVector
     log2_amax: GroupVector
     overflowed: GroupVector
+    headroom: GroupVector
+    ceiling: GroupVector
     health: jax.Array
+    total_retries: jax.Array
     scaler: AdaptiveScale = _static()
     fingerprint: str = _static()
+    axis_name: str | None = _static(default=None)
 
     @property
     def groups(self) -> tuple[str, ...]:
@@ -250,8 +264,9 @@ class AdaptiveScaleState:
 
 jax.tree_util.register_dataclass(
     AdaptiveScaleState,
-    data_fields=["base", "log2_scales", "log2_amax", "overflowed", "health"],
-    meta_fields=["scaler", "fingerprint"],
+    data_fields=["base", "log2_scales", "log2_amax", "overflowed", "headroom", "ceiling",
+                 "health", "total_retries"],
+    meta_fields=["scaler", "fingerprint", "axis_name"],
 )
 
 
@@ -272,6 +287,9 @@ class ScaleStats:
       hist: per-binade histogram at the group's scale (``statistic="quantile"``; an array
         ``(NBINS, groups)``), or ``None``.
       nonfinite: whether any measured value or conversion was not finite.
+      prior: the per-group fields of the state the pass ran at, where the gradient
+        function retried the step at other scales (``AdaptiveScale.retries``); ``None``
+        where it ran at the optimizer state's own.
       fingerprint: the parameters the statistics were measured for (static).
 
     >>> import adaloss_jax as alj
@@ -281,8 +299,8 @@ class ScaleStats:
     >>> loss_fn = lambda p, x: jnp.sum(dense(p["d"], x)).astype(jnp.float32)
     >>> x = jnp.ones((1, 2), jnp.float16)
     >>> _, _, stats = alj.adaptive_value_and_grad(loss_fn)(st, params, x)
-    >>> float(stats.amax["d"])
-    1.0
+    >>> float(stats.log2_scales["d"]), float(stats.amax["d"])  # retried from scale 1
+    (11.0, 2048.0)
     """
 
     log2_scales: GroupVector
@@ -292,12 +310,14 @@ class ScaleStats:
     sumsq: GroupVector | None = None
     count: GroupVector | None = None
     hist: GroupVector | None = None
+    prior: dict | None = None
     fingerprint: str = _static(default="")
 
 
 jax.tree_util.register_dataclass(
     ScaleStats,
-    data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist"],
+    data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist",
+                 "prior"],
     meta_fields=["fingerprint"],
 )
 
@@ -311,7 +331,10 @@ def initial_state(params: Any, scaler: AdaptiveScale, groups: list[str]) -> Adap
         log2_scales=GroupVector(groups, jnp.full((n,), s0, jnp.float32), split=True),
         log2_amax=GroupVector(groups, jnp.full((n,), -jnp.inf, jnp.float32)),
         overflowed=GroupVector(groups, jnp.zeros((n,), jnp.bool_)),
+        headroom=GroupVector(groups, jnp.zeros((n,), jnp.float32)),
+        ceiling=GroupVector(groups, jnp.full((n,), jnp.inf, jnp.float32)),
         health=jnp.zeros((), jnp.int32),
+        total_retries=jnp.zeros((), jnp.int32),
         scaler=scaler,
         fingerprint=fingerprint(params),
     )

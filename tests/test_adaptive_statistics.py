@@ -38,7 +38,7 @@ def _quantile_step(log2_scale: int):
     x = jnp.ones((N,), jnp.float32)
     params = model.init(jax.random.key(0), x)["params"]
     scaler = alj.adaptive(statistic="quantile", threshold=T, margin=MARGIN,
-                          initial_scale=2.0**log2_scale)
+                          initial_scale=2.0**log2_scale, retries=0)  # one pass
     tx = alj.adaptive_unscale(scaler)
     state = tx.init(params)
 
@@ -166,7 +166,9 @@ def test_quantile_on_fp16_model_flushes_at_most_about_threshold():
 def test_period_closed_form_loop():
     """period=F: scales are recomputed on steps where the applied steps so far are a
     multiple of F and held otherwise; an overflow backs the group that overflowed off at
-    once (the other groups follow the same F-step rhythm)."""
+    once, below the scale it overflowed at (its ceiling), which its next finite
+    statistics turn into headroom kept at every recomputation after (the other groups
+    follow the same F-step rhythm)."""
     F, backoff = 3, 2
     params = {"params": {k: {"w": jnp.zeros((3,))} for k in "ab"}}
     # decay=inf: this step's amax alone (the held peak has a test of its own).
@@ -178,9 +180,11 @@ def test_period_closed_form_loop():
     rng = np.random.default_rng(5)
     steps = 12
     unit = {g: rng.uniform(-30.0, -10.0, steps) for g in "ab"}  # log2 unit amax
+    unit["a"][:8] = unit["a"][0]  # the overflows and the headroom on the same statistics
     overflow_a = {4, 5}  # two consecutive overflows of group a
     s = {g: 0.0 for g in "ab"}
-    applied, skips = 0, 0
+    ceiling, room = math.inf, 0  # group a's
+    applied = 0
     for t in range(steps):
         rows = {}
         for g in "ab":
@@ -190,17 +194,23 @@ def test_period_closed_form_loop():
         rows[""] = (2.0**-3, 0.0, 8.0, False)
         _, state = update(params, state, scale_stats=known_stats(state, rows))
         skipped = t in overflow_a
+        if skipped:  # a has a measured peak: the plain backoff, below its ceiling
+            ceiling = min(ceiling, s["a"])
+            s["a"] -= backoff
+        elif ceiling < math.inf:  # its first finite statistics since: headroom
+            room = max(room, math.floor(LOG2_MAX - MARGIN - unit["a"][t]) - ceiling
+                       + backoff // 2)
+            ceiling = math.inf
         for g in "ab":
-            if g == "a" and skipped:
-                s[g] -= backoff * 2 ** min(skips, 4)
-            elif applied % F == 0:
-                s[g] = math.floor(LOG2_MAX - MARGIN - unit[g][t])
-        applied, skips = (applied, skips + 1) if skipped else (applied + 1, 0)
+            if not (g == "a" and skipped) and applied % F == 0:
+                s[g] = math.floor(LOG2_MAX - MARGIN - unit[g][t]) - (room if g == "a" else 0)
+        applied += 0 if skipped else 1
         for g in "ab":
             assert float(state.log2_scales[g]) == s[g], (t, g)
         assert int(state.base.total_applied) == applied
     # The loop really held scales: period=1 would have moved them on every step.
     assert applied == steps - len(overflow_a)
+    assert room > 0 and float(state.headroom["a"]) == pytest.approx(room - 6 / 256)
 
 
 def test_options_are_validated():
@@ -256,8 +266,9 @@ def test_default_decay(dtype, groups, decay):
 
 def test_after_max_consecutive_skips_every_group_backs_off():
     """Overflow is blamed where it started; a group that only received non-finite values
-    holds its scale. When K skips in a row show that blame is not fixing it, every group
-    backs off (the recovery one global scale would make)."""
+    (its statistics hidden by that overflow) backs off with it by the plain backoff. When
+    K skips in a row show that blame is not fixing it, every non-finite group is blamed
+    (the recovery one global scale would make)."""
     params = {"params": {k: {"w": jnp.zeros((3,))} for k in "ab"}}
     scaler = alj.adaptive(groups="module", max_consecutive_skips=2, factor=2.0)
     tx = alj.adaptive_unscale(scaler)
@@ -271,17 +282,19 @@ def test_after_max_consecutive_skips_every_group_backs_off():
         _, state = update(params, state, scale_stats=known_stats(state, rows))
         b_scales.append(float(state.log2_scales["b"]))
     assert int(state.base.total_skipped) == 4
-    # b held for the first K skips, then backs off: by backoff the first time, by
-    # backoff * 2**min(n, 4) while it keeps overflowing (n: skips in a row).
-    assert b_scales == [10.0, 10.0, 9.0, 1.0]
+    # b backs off by backoff with each overflow that hid it; after K skips it is blamed,
+    # and with no measured peak it backs off by backoff * 2**min(n, 4) while it keeps
+    # overflowing (n: skips in a row).
+    assert b_scales == [9.0, 8.0, 7.0, 7.0 - 2**3]
     assert int(state.health) & HEALTH_SKIPPING
 
 
 def test_a_group_blamed_first_backs_off_by_factor_alone():
     """The harder backoff after consecutive skips is for a group that overflowed at the
-    previous step too. Skips in a row, each blaming another group, once dropped every
-    newly blamed group by backoff * 16, so a run kept skipping (docs/results.md section 8);
-    each now drops by backoff."""
+    previous step too, before anything was measured of it. Skips in a row, each blaming
+    another group, once dropped every newly blamed group by backoff * 16, so a run kept
+    skipping; each drops by backoff, and so does a measured group overflowing twice (it
+    learns headroom instead)."""
     groups = "abcd"
     params = {"params": {k: {"w": jnp.zeros((3,))} for k in groups}}
     scaler = alj.adaptive(groups="module", factor=4.0)
@@ -297,6 +310,7 @@ def test_a_group_blamed_first_backs_off_by_factor_alone():
         before = float(state.log2_scales[blamed])
         _, state = update(params, state, scale_stats=known_stats(state, rows))
         assert int(state.base.notfinite_count) == t + 1
-        # d overflows twice in a row: its second drop is backoff * 2**4 (5th skip).
-        expected = 2.0 * (2.0 ** min(t, 4) if t == 4 else 1.0)
+        # d overflows twice in a row: it has a measured peak, so its second drop is
+        # backoff too (the harder one is for a group nothing was measured of yet).
+        expected = 2.0
         assert before - float(state.log2_scales[blamed]) == expected, (t, blamed)

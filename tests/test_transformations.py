@@ -356,7 +356,7 @@ def test_per_example_vmap_at_batch_256_measures_the_batched_amax(groups):
 
     mlp = eqx.nn.MLP(D, 4, 16, 2, key=jax.random.key(0), dtype=jnp.float16)
     per_example = lambda m, x: jnp.mean(jax.vmap(m)(x).astype(jnp.float32) ** 2)
-    scaler = alj.adaptive(groups=groups)
+    scaler = alj.adaptive(groups=groups, retries=0)  # one pass at the scales set here
     state = alj.adaptive_unscale(scaler).init(eqx.filter(mlp, eqx.is_inexact_array))
     state = state.with_log2_scales(dict.fromkeys(state.groups, 14))
     grads = eqx.filter_jit(eqx_adaptive_value_and_grad(per_example))
@@ -394,12 +394,12 @@ def test_scanned_stack_equals_its_unrolled_twin():
     statistics; in fp32 under arbitrary scales, exact gradients both ways."""
     x = _x(jnp.float32)
     params, scanned, unrolled = scan_twins(jnp.float16)
-    glob = alj.adaptive(groups="global")
+    glob = alj.adaptive(groups="global", retries=0)  # one pass at the scales chosen here
     state = alj.adaptive_unscale(glob).init(params).with_log2_scales({"": 12})
     run = lambda f: jax.jit(alj.adaptive_value_and_grad(f))(state, params, x)
     assert_same_measurements(run(scanned), run(unrolled), "scan")
     params, scanned, unrolled = scan_twins(jnp.float32)
-    module = alj.adaptive(groups="module")
+    module = alj.adaptive(groups="module", retries=0)
     state = alj.adaptive_unscale(module).init(params)
     # The stack's own scale (unrolled) and its slots, a scale per layer (scanned).
     state = state.with_log2_scales({"": 9, **{g: -5 for g in state.groups if "stack" in g}})

@@ -1,0 +1,104 @@
+"""Skipped steps and retries while the adaptive scales settle, with nothing else moving.
+
+Models whose weights stay fixed (SGD with learning rate 0), so every step has the same
+statistics and any skipped step is the scale rule's doing:
+
+- ``attn5``: five blocks of LayerNorm -> qkv Dense -> softmax attention -> Dense with a
+  residual, fp16 compute, width 32, batch 1024 x 8 tokens, a Dense head;
+- ``gpt6`` / ``gpt6-scan``: the bench's byte GPT with 6 blocks (unrolled, or one
+  ``nn.scan``), batch 16 x 64 bytes.
+
+For each: fp16 and e4m3 cotangents (``simulate=True``), per module and one global scale,
+``steps`` steps from the default initial scale; printed: skipped steps (which), passes
+retried inside steps (``AdaptiveScaleState.total_retries``), the root's final log2 scale.
+
+    python benchmarks/warmup_skips.py                 # the default: retries=4
+    python benchmarks/warmup_skips.py --retries 0     # the rule alone: skips instead
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import linen as nn
+
+import adaloss_jax as alj
+from adaloss_jax.bench._models import GPT
+from adaloss_jax.flax import TrainState, train_step
+
+
+class _Block(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        h = nn.LayerNorm(dtype=jnp.float16)(x)
+        q, k, v = jnp.split(nn.Dense(3 * x.shape[-1], dtype=jnp.float16)(h), 3, -1)
+        s = (q @ k.swapaxes(-1, -2)).astype(jnp.float32) / jnp.sqrt(x.shape[-1])
+        a = jax.nn.softmax(s).astype(jnp.float16)
+        return x + nn.Dense(x.shape[-1], dtype=jnp.float16)(a @ v)
+
+
+class Attn5(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, dtype=jnp.float16)(x)
+        for _ in range(5):
+            x = _Block()(x)
+        return nn.Dense(10, dtype=jnp.float16)(x)
+
+
+def _task(name):
+    if name == "attn5":
+        model = Attn5()
+        x = jax.random.normal(jax.random.key(0), (1024, 8, 16))
+        y = jax.random.randint(jax.random.key(1), (1024, 8), 0, 10)
+    else:
+        model = GPT(layers=6, scan=name.endswith("scan"))
+        tokens = jax.random.randint(jax.random.key(0), (16, 65), 0, 256)
+        x, y = tokens[:, :-1], tokens[:, 1:]
+    params = model.init(jax.random.key(2), x)["params"]
+
+    def loss_fn(p, x, y):
+        logits = model.apply({"params": p}, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+
+    return model, params, loss_fn, x, y
+
+
+def run(name, groups, dtype, steps, retries):
+    model, params, loss_fn, x, y = _task(name)
+    scaler = alj.adaptive(groups=groups, grad_dtype=dtype, simulate=dtype != "float16",
+                          retries=retries)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
+                              scaler=scaler)
+    step = jax.jit(lambda s: train_step(s, loss_fn, x, y))
+    skipped = []
+    for i in range(steps):
+        state, _ = step(state)
+        if not bool(alj.scale_state(state).last_applied):
+            skipped.append(i)
+    st = alj.scale_state(state)
+    return skipped, int(st.total_retries), float(jnp.log2(st.loss_scale))
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--tasks", default="attn5,gpt6,gpt6-scan")
+    ap.add_argument("--steps", type=int, default=30)
+    ap.add_argument("--retries", type=int, default=alj.adaptive().retries)
+    args = ap.parse_args(argv)
+    print(f"{'task':<10} {'format':<14} {'groups':<7} {'skipped':>7}  {'retries':>7}  "
+          f"{'root':>5}  which")
+    for name in args.tasks.split(","):
+        for dtype in ("float16", "float8_e4m3fn"):
+            for groups in ("module", "global"):
+                skipped, retries, root = run(name, groups, dtype, args.steps, args.retries)
+                which = ",".join(map(str, skipped[:12])) + ("..." if len(skipped) > 12 else "")
+                print(f"{name:<10} {dtype:<14} {groups:<7} {len(skipped):>7}  {retries:>7}  "
+                      f"{root:>5.0f}  {which or '-'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -287,9 +287,11 @@ class ScaleStats:
       hist: per-binade histogram at the group's scale (``statistic="quantile"``; an array
         ``(NBINS, groups)``), or ``None``.
       nonfinite: whether any measured value or conversion was not finite.
-      prior: the per-group fields of the state the pass ran at, where the gradient
-        function retried the step at other scales (``AdaptiveScale.retries``); ``None``
-        where it ran at the optimizer state's own.
+      prior: where the gradient function may retry a step (``AdaptiveScale.retries``):
+        the per-group fields of the state its last pass ran at (``log2_scales``,
+        ``log2_amax``, ``overflowed``, ``headroom``, ``ceiling``) and ``retries``, the
+        passes taken again; the optimizer's rule continues from them. ``None`` with
+        ``retries=0``.
       fingerprint: the parameters the statistics were measured for (static).
 
     >>> import adaloss_jax as alj

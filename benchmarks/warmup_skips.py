@@ -6,7 +6,7 @@ statistics and any skipped step is the scale rule's doing:
 - ``attn5``: five blocks of LayerNorm -> qkv Dense -> softmax attention -> Dense with a
   residual, fp16 compute, width 32, batch 1024 x 8 tokens, a Dense head;
 - ``gpt6`` / ``gpt6-scan``: the bench's byte GPT with 6 blocks (unrolled, or one
-  ``nn.scan``), batch 16 x 64 bytes.
+  ``nn.scan``), batch 16 x 63 bytes.
 
 For each: fp16 and e4m3 cotangents (``simulate=True``), per module and one global scale,
 ``steps`` steps from the default initial scale; printed: skipped steps (which), passes
@@ -56,7 +56,7 @@ def _task(name):
         y = jax.random.randint(jax.random.key(1), (1024, 8), 0, 10)
     else:
         model = GPT(layers=6, scan=name.endswith("scan"))
-        tokens = jax.random.randint(jax.random.key(0), (16, 65), 0, 256)
+        tokens = jax.random.randint(jax.random.key(0), (16, 64), 0, 256)
         x, y = tokens[:, :-1], tokens[:, 1:]
     params = model.init(jax.random.key(2), x)["params"]
 

@@ -12,8 +12,8 @@ import numpy as np
 
 SCALAR_FIELDS = (
     "task", "regime", "config", "seed", "steps", "metric", "quality", "eval_loss",
-    "diverged", "skipped", "skipped_after_warmup", "final_log2_scale", "final_underflow",
-    "mean_underflow_after_warmup", "s_per_step", "first_step_s", "settings",
+    "diverged", "skipped", "retried", "skipped_after_warmup", "final_log2_scale",
+    "final_underflow", "mean_underflow_after_warmup", "s_per_step", "first_step_s", "settings",
 )
 
 
@@ -80,7 +80,7 @@ def summary_table(rows: list[dict], configs: list[str]) -> str:
     metric = rows[0]["metric"]
     ref = {r["seed"]: r["quality"] for r in rows if r["config"] == "fp32"}
     head = ["config", "seeds", f"{metric} (mean ± std)", "gap to fp32 (paired)",
-            "skipped (per seed)",
+            "skipped (per seed)", "retried (per seed)",
             "underflow after warm-up", "final underflow", "final log2 scale", "ms/step",
             "diverged"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
@@ -97,7 +97,8 @@ def summary_table(rows: list[dict], configs: list[str]) -> str:
         lines.append("| " + " | ".join([
             c, str(len(rs)), f"{m:.4f} ± {s:.4f}",
             "-" if c == "fp32" or not math.isfinite(gm) else f"{gm:+.4f} ± {gs:.4f}",
-            "/".join(str(r["skipped"]) for r in rs), _pct(uw), _pct(uf), _scale_cell(rs),
+            "/".join(str(r["skipped"]) for r in rs),
+            "/".join(str(r.get("retried", 0)) for r in rs), _pct(uw), _pct(uf), _scale_cell(rs),
             f"{1e3 * float(np.median([r['s_per_step'] for r in rs])):.1f}",
             f"{sum(r['diverged'] for r in rs)}/{len(rs)}",
         ]) + " |")

@@ -244,6 +244,8 @@ class Runner:
             "mean_underflow_after_warmup": float(np.mean(
                 [p["underflow"] for p in probes if p["step"] >= 2] or [np.nan])),
         }
+        row["retried"] = 0
         if self.config.kind == "adaptive":
             row["group_log2_scales"] = probes[-1]["group_log2_scales"]
+            row["retried"] = int(alj.scale_state(carry[2]).total_retries)
         return row

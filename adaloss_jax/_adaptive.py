@@ -335,8 +335,8 @@ def _until_applied(attempt: Callable, state: AdaptiveScaleState):
     times, at the scales the rule sets while it would skip the step and moves a scale
     (an overflow backed off, a step far below its scale): one ``lax.while_loop``, its
     body compiled once, one pass when the scales are right. The statistics returned
-    carry the state their pass was computed at (``ScaleStats.prior``), so that the
-    optimizer's rule continues from it.
+    carry the rule's verdict on their pass (``ScaleStats.verdict``: the next state),
+    which the optimizer applies as it is, without deciding twice.
 
     A step is still skipped when no scale could change it (a non-finite loss, NaN in
     the data: the rule holds every scale) or after ``retries`` retries. What the loss
@@ -358,31 +358,39 @@ def _until_applied(attempt: Callable, state: AdaptiveScaleState):
             layout["treedef"], [next(it) if k else next(other) for k in layout["kept"]])
 
     def body(carry):
-        k, _, prior, _ = carry
+        k, _, prior, _, _ = carry
         out = attempt(prior.log2_scales)
         (loss, _), grads, stats = out
-        _, p_amax = _unscale(grads, stats, scaler, prior)
-        verdict = _rule.adjust(prior, _measured(prior, stats, p_amax, loss, axis_name))
+        verdict = _verdict(prior, grads, stats, loss, axis_name)
         moved = jnp.any(verdict.log2_scales.array != prior.log2_scales.array)
         done = verdict.base.last_applied | ~moved | (k >= scaler.retries)
+        # A retry runs at the verdict's scales, counters untouched (no step was taken).
         nxt = prior.replace(**{f: getattr(verdict, f) for f in RETRIED})
-        nxt = jax.tree_util.tree_map(lambda a, b: jnp.where(done, a, b), prior, nxt)
-        return k + 1, done, nxt, arrays(out)
+        return k + 1, done, nxt, verdict, arrays(out)
 
     shapes = jax.eval_shape(lambda sc: arrays(attempt(sc)), state.log2_scales)
-    init = (jnp.int32(0), jnp.asarray(False), state,
+    init = (jnp.int32(0), jnp.asarray(False), state, state,
             [jnp.zeros(x.shape, x.dtype) for x in shapes])
-    for _ in range(3):  # (inside shard_map: until the carry's types are a fixed point)
-        typed = _typed_like(init, jax.eval_shape(body, init))
-        if jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: a is b, typed, init)):
-            break
-        init = typed
-    # Where the loop stops, the carried state is the one its last pass ran at (a retry
-    # moves it on only when another pass follows).
-    passes, _, prior, values = jax.lax.while_loop(lambda c: ~c[1], body, init)
+    if _manual_axes():  # inside shard_map: the carry's types must be a fixed point
+        for _ in range(3):
+            typed = _typed_like(init, jax.eval_shape(body, init))
+            if jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: a is b, typed,
+                                                             init)):
+                break
+            init = typed
+    passes, _, _, verdict, values = jax.lax.while_loop(lambda c: ~c[1], body, init)
     value, grads, stats = rebuilt(values)
-    prior = {f: getattr(prior, f) for f in RETRIED}
-    return value, grads, dataclasses.replace(stats, prior={**prior, "retries": passes - 1})
+    fields = {f: getattr(verdict, f) for f in (*RETRIED, "base", "health")}
+    return value, grads, dataclasses.replace(stats, verdict={**fields, "retries": passes - 1})
+
+
+RETRIED = ("log2_scales", "log2_amax", "overflowed", "headroom", "ceiling")
+
+
+def _manual_axes() -> bool:
+    """Whether this trace is inside a ``shard_map`` (its mesh has manual axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return bool(getattr(mesh, "manual_axes", ())) if mesh is not None else False
 
 
 def _bound(axis_name: str | None) -> str | None:
@@ -413,9 +421,6 @@ def _typed_like(tree, types):
         return jax.lax.pcast(x, tuple(sorted(extra)), to="varying") if extra else x
 
     return jax.tree_util.tree_map(cast, tree, types)
-
-
-RETRIED = ("log2_scales", "log2_amax", "overflowed", "headroom", "ceiling")
 
 
 class _Scales(dict):
@@ -476,7 +481,7 @@ def _check_update(state: AdaptiveScaleState, scaler: AdaptiveScale, updates,
         check_fingerprint(state.fingerprint, stats.fingerprint, "the scale_stats",
                           "pass the statistics adaptive_value_and_grad returned for this "
                           "model with this optimizer state")
-    if stats.prior is not None and stats.prior["log2_scales"].names != state.groups:
+    if stats.verdict is not None and stats.verdict["log2_scales"].names != state.groups:
         raise ValueError(
             "scale_stats were retried from another optimizer state (its groups differ from "
             "this state's); pass the statistics adaptive_value_and_grad returned with this "
@@ -522,6 +527,13 @@ def _unscale(updates, stats: ScaleStats, scaler: AdaptiveScale, state: AdaptiveS
                                      jnp.asarray(index), ng)
         p_amax = jnp.maximum(p_amax, 0.0)
     return jax.tree_util.tree_unflatten(treedef, out), p_amax
+
+
+def _verdict(state: AdaptiveScaleState, grads, stats: ScaleStats, loss,
+             axis_name) -> AdaptiveScaleState:
+    """The rule's next state for one pass (its gradients and statistics)."""
+    _, p_amax = _unscale(grads, stats, state.scaler, state)
+    return _rule.adjust(state, _measured(state, stats, p_amax, loss, axis_name))
 
 
 def _reduce(x, op, axis_name):
@@ -610,12 +622,13 @@ def adaptive_unscale(
     def update_fn(updates, state, params=None, *, loss=None, scale_stats=None, **extra):
         del params, extra
         _check_update(state, scaler, updates, scale_stats)
-        if scale_stats.prior is not None:  # the step may have been retried
-            prior = dict(scale_stats.prior)
-            retries = _reduce(prior.pop("retries"), jax.lax.pmax, axis_name)
-            state = state.replace(**prior, total_retries=state.total_retries + retries)
-        updates, p_amax = _unscale(updates, scale_stats, scaler, state)
-        state = _rule.adjust(state, _measured(state, scale_stats, p_amax, loss, axis_name))
+        if scale_stats.verdict is None:
+            state = _verdict(state, updates, scale_stats, loss, axis_name)
+        else:  # decided inside the gradient function, after its retries
+            verdict = dict(scale_stats.verdict)
+            retries = _reduce(verdict.pop("retries"), jax.lax.pmax, axis_name)
+            state = state.replace(**verdict, total_retries=state.total_retries + retries)
+        updates, _ = _unscale(updates, scale_stats, scaler, state)
         return _transforms.signal_skip(updates, state.base.last_applied), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

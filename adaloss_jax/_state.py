@@ -287,11 +287,10 @@ class ScaleStats:
       hist: per-binade histogram at the group's scale (``statistic="quantile"``; an array
         ``(NBINS, groups)``), or ``None``.
       nonfinite: whether any measured value or conversion was not finite.
-      prior: where the gradient function may retry a step (``AdaptiveScale.retries``):
-        the per-group fields of the state its last pass ran at (``log2_scales``,
-        ``log2_amax``, ``overflowed``, ``headroom``, ``ceiling``) and ``retries``, the
-        passes taken again; the optimizer's rule continues from them. ``None`` with
-        ``retries=0``.
+      verdict: where the gradient function may retry a step (``AdaptiveScale.retries``):
+        the rule's next state for the pass these statistics are of (its array fields
+        but ``total_retries``) and ``retries``, the passes taken again; the optimizer
+        applies it as it is. ``None`` with ``retries=0`` (the optimizer decides).
       fingerprint: the parameters the statistics were measured for (static).
 
     >>> import adaloss_jax as alj
@@ -312,14 +311,14 @@ class ScaleStats:
     sumsq: GroupVector | None = None
     count: GroupVector | None = None
     hist: GroupVector | None = None
-    prior: dict | None = None
+    verdict: dict | None = None
     fingerprint: str = _static(default="")
 
 
 jax.tree_util.register_dataclass(
     ScaleStats,
     data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist",
-                 "prior"],
+                 "verdict"],
     meta_fields=["fingerprint"],
 )
 

@@ -45,6 +45,8 @@ ALL_CONFIGS = {
     "dynamic": (jnp.float16, lambda: alj.dynamic()),
     "adaptive-global": (jnp.float16, lambda: alj.adaptive(groups="global")),
     "adaptive": (jnp.float16, lambda: alj.adaptive(groups="module")),
+    # The same without the in-step retry loop (one pass a step, as before 0.3).
+    "adaptive-r0": (jnp.float16, lambda: alj.adaptive(groups="module", retries=0)),
     # One group per block, points only at block boundaries (the GPT's blocks, embedding and
     # final norm are its top-level modules).
     "adaptive-block": (jnp.float16, lambda: alj.adaptive(groups="module", max_depth=1)),

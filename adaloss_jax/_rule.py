@@ -76,7 +76,9 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
 
         where an overflow started at k's scale u_k (k is blamed):
         c_k     = min(c_k, u_k)             # its ceiling: the lowest scale that overflowed
-                  (dropped if k later measures nothing at c_k - 1 or above)
+                  (dropped if k later measures nothing at c_k - 1 or above); until k's
+                  next finite statistics its scale only falls, or jumps blind halfway
+                  to c_k
         s_k     = u_k - log2(factor)        (k had a held peak)
         s_k     = u_k - log2(factor) * 2**n (no peak yet: n skipped steps in a row, at
                   most 4, if k also overflowed at the previous step, else 0)
@@ -95,7 +97,6 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                   again, but for halfway between it and the scale k backed off to
         h_k     = max(h_k - 1/256, 0)   on an applied step, for each measured group
                   (a learned binade is given back after 256 applied steps)
-        s_k     = min(s_k, c_k - 1)
         s_k     = clip(s_k, log2 min_loss_scale, log2 max_loss_scale)
 
         applied = grads finite and loss finite and something was measured
@@ -176,7 +177,7 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     # Below a ceiling the blind jump goes halfway to it: the scale lies in between.
     grown = jnp.minimum(grown, jnp.floor((log2 + ceiling) / 2))
     nxt = jnp.where(bad | backs_off, used - drop, jnp.where(amax > 0, target, grown))
-    nxt = jnp.clip(jnp.minimum(jnp.where(hold, log2, nxt), ceiling - 1.0), lo, hi)
+    nxt = jnp.clip(jnp.where(hold, log2, nxt), lo, hi)
     new_log2 = jnp.where(m.loss_finite, nxt, log2).astype(jnp.float32)
 
     measured = jnp.any(act & (amax > 0))

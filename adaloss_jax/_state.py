@@ -196,8 +196,8 @@ class AdaptiveScaleState:
         ``margin``, learned from its own overflows (growth inside a module that the
         statistics at its boundaries do not see) and given back slowly.
       ceiling: :class:`GroupVector` of fp32, the lowest log2 scale the group overflowed
-        at since its last finite statistics (``inf``: none); no scale at or above it is
-        chosen, and the next finite statistics turn it into headroom.
+        at since its last finite statistics (``inf``: none); a blind jump goes at most
+        halfway to it, and the next finite statistics turn it into headroom.
       total_retries: int32, passes the gradient function took again inside a step
         (``AdaptiveScale.retries``) over the run.
       health: int32 bit set, 0 when all is well: ``HEALTH_SKIPPING`` (at least

@@ -296,3 +296,161 @@ def test_resnet_with_batchnorm_under_adaptive_scaling():
     assert carry[1]["batch_stats"]["bn_stem"]["mean"].dtype == jnp.float32
     np.testing.assert_array_equal(mean(first), mean(carry))
     assert not np.allclose(mean(second), mean(first))
+
+
+# ------------------------------------------------- the report as a user sees it (no compile)
+
+_MODULES = ("embed", *(f"block_{i}/{m}" for i in range(2)
+                       for m in ("attn/qkv", "attn/proj", "mlp/fc1", "mlp/fc2", "ln1", "ln2")),
+            "ln_f")
+
+
+def _row(config, seed, quality, *, metric="bits/byte", task="code-gpt", regime="tiny",
+         steps=20, settings="s", skipped=0, diverged=False):
+    """A runs.jsonl row with every field the report and the plots read."""
+    adaptive = config.startswith(("fp16-ada", "e5m2", "e4m3"))
+    scaled = adaptive or config in ("fp16-dynamic", "fp16-flax")
+    log2 = 15.0 + 20 * adaptive if scaled else 0.0
+    groups = ({"": log2, **{m: log2 + i % 4 for i, m in enumerate(_MODULES)}}
+              if config.endswith("-module") else {"": log2})
+    probes = [{"step": s, "underflow": 0.0, "module_underflow": {m: 0.0 for m in _MODULES},
+               **({"group_log2_scales": {g: (v if s else 0.0) for g, v in groups.items()}}
+                  if adaptive else {})} for s in _runner.probe_steps(steps)]
+    row = {"task": task, "regime": regime, "config": config, "seed": seed, "steps": steps,
+           "settings": settings, "metric": metric, "quality": quality, "eval_loss": quality,
+           "diverged": diverged, "skipped": skipped, "retried": int(adaptive),
+           "skipped_after_warmup": 0, "final_log2_scale": log2, "final_underflow": 0.0,
+           "mean_underflow_after_warmup": 0.0 if scaled or config == "fp32" else 0.5,
+           "s_per_step": 0.02, "first_step_s": 1.0,
+           "loss_curve": list(3.0 + quality - np.linspace(0, 1, steps)),
+           "log2_scale_curve": [log2] * steps, "applied_curve": [True] * steps,
+           "probes": probes}
+    if adaptive:
+        row["group_log2_scales"] = groups
+    return row
+
+
+# Per-seed quality offsets from fp32: bf16 and the adaptive configs within noise of it.
+_GAPS = {"fp32": (0, 0, 0), "bf16": (-2e-4, 1e-4, -1e-4), "fp16-none": (5.0, 5.1, 4.9),
+         "fp16-dynamic": (0.05, 0.04, 0.045), "fp16-ada-global": (1e-4, -5e-5, 6e-5),
+         "fp16-ada-module": (7e-5, -1e-4, 1e-4)}
+
+
+def _quick_rows(gaps=_GAPS, **kw):
+    return [_row(c, s, 3.4 + 0.01 * s + g[s], **kw) for c, g in gaps.items()
+            for s in range(3)]
+
+
+def test_console_table_fits_80_columns():
+    """The terminal table is at most 80 columns wide, with every configuration in each
+    of its tables, also for the full suite's 14 configs, 5 seeds and accuracy."""
+    table = _report.text_table(_quick_rows(), list(_GAPS))
+    assert max(map(len, table.splitlines())) <= 80
+    for part in table.split("\n\n"):
+        assert [line.split()[0] for line in part.splitlines()] == ["config", *_GAPS]
+    for header in ("bits/byte", "gap to fp32", "skipped", "retried", "underflow",
+                   "log2 scale", "ms/step"):
+        assert header in table
+    assert "+0.0450 ± 0.0050" in table  # fp16-dynamic's paired gap
+    full = list(_configs.FULL["tiny"])
+    rows = [_row(c, s, 0.85 + 0.001 * s, metric="accuracy", skipped=12) for c in full
+            for s in range(5)]
+    table = _report.text_table(rows, full)
+    assert max(map(len, table.splitlines())) <= _report.CONSOLE_WIDTH
+    assert "35..38 (14 groups)" in table
+    # Narrower still: the columns split into more tables, none wider than asked.
+    narrow = _report.text_table(rows, full, width=50)
+    assert max(map(len, narrow.splitlines())) <= 50 and narrow.count("\n\n") > 1
+
+
+def test_verdict_follows_the_numbers():
+    rows = _quick_rows()
+    line = _report.verdict(rows, list(_GAPS))
+    # ada-module's mean gap (2.3e-5) is the smallest; ada-global's (3.7e-5) rounds to the
+    # same +0.0000 and is named with it; bf16's is -0.0001.
+    assert line == ("Verdict: adaptive fp16 matches fp32 within noise (0 of 120 steps "
+                    "skipped); closest to fp32: fp16-ada-module, fp16-ada-global "
+                    "(+0.0000 bits/byte).")
+    # One adaptive config clearly worse (bits/byte: higher is worse), skips counted.
+    gaps = {**_GAPS, "fp16-ada-global": (0.02, 0.021, 0.019)}
+    rows = _quick_rows(gaps)
+    for r in rows:
+        r["skipped"] = 2 if r["config"] == "fp16-ada-global" else 0
+    line = _report.verdict(rows, list(gaps))
+    assert ("fp16-ada-global is worse than fp32 beyond noise (+0.0200 ± 0.0010 bits/byte, "
+            "6 of 60 steps skipped); fp16-ada-module matches fp32 within noise (0 of 60 steps "
+            "skipped)") in line
+    assert "closest to fp32: fp16-ada-module (+0.0000" in line
+    # Accuracy: higher is better, so the same positive gap is "better".
+    rows = _quick_rows(gaps, metric="accuracy")
+    assert "fp16-ada-global is better than fp32" in _report.verdict(rows, list(gaps))
+    # A diverged adaptive run is said, and is never the closest.
+    rows = _quick_rows()
+    for r in rows:
+        if r["config"] == "fp16-ada-module" and r["seed"] == 1:
+            r.update(diverged=True, quality=float("nan"))
+    line = _report.verdict(rows, list(_GAPS))
+    assert "fp16-ada-module diverged in 1 of 3 runs" in line
+    assert line.endswith("closest to fp32: fp16-ada-global (+0.0000 bits/byte).")
+    assert "no fp32" in _report.verdict([r for r in rows if r["config"] != "fp32"],
+                                        list(_GAPS))
+
+
+def test_quick_console_and_report(small_gpt, tmp_path, monkeypatch, capsys):
+    """`--quick` as a new user sees it, with made-up runs (no training): tables within 80
+    columns, the verdict last and from the numbers, a report that mentions only what the
+    run has (bits/byte, the tiny regime: no Fashion-MNIST, no ordinary regime)."""
+    class FakeRunner:
+        def __init__(self, task, config, regime, steps):
+            self.task, self.config, self.regime, self.steps = task, config, regime, steps
+
+        def run(self, seed, on_step=None):
+            c = self.config.name
+            return _row(c, seed, 3.4 + 0.01 * seed + _GAPS[c][seed],
+                        task=self.task.name, regime=self.regime, steps=self.steps,
+                        settings=self.task.settings)
+
+    monkeypatch.setattr(_runner, "Runner", FakeRunner)
+    out = str(tmp_path / "res")
+    assert _cli.main(["--quick", "--out", out, "--no-plots"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    legend = next(i for i, x in enumerate(lines) if x.startswith("gap to fp32:"))
+    assert lines[0].startswith("code-gpt, tiny regime: bits/byte (lower is better), 3 seeds")
+    assert max(map(len, lines[:legend + 6])) <= 80  # tables and legend
+    rows = _report.read_rows(os.path.join(out, "runs.jsonl"))
+    assert len(rows) == 18
+    assert lines[-1] == _report.verdict(rows, list(_configs.QUICK))
+    assert lines[-1].startswith("Verdict: adaptive fp16 matches fp32 within noise")
+    report = open(os.path.join(out, "report.md")).read()
+    assert "bits/byte (lower is better)" in report and lines[-1][len("Verdict:"):] in report
+    for absent in ("Fashion-MNIST", "accuracy", "ordinary"):
+        assert absent not in report
+
+
+def test_plots_tell_every_curve_apart(tmp_path, monkeypatch):
+    """No two configurations (loss and root-scale panels) and no two scale groups share a
+    colour, line style and marker; the loss curves carry markers."""
+    pytest.importorskip("matplotlib")
+    import matplotlib.axes
+
+    seen: dict = {}
+    real_plot = matplotlib.axes.Axes.plot
+
+    def plot(self, *args, **kwargs):
+        if kwargs.get("label"):
+            seen.setdefault(id(self), []).append(
+                (kwargs["label"], kwargs.get("color"), kwargs.get("ls"), kwargs.get("marker"),
+                 kwargs.get("markevery")))
+        return real_plot(self, *args, **kwargs)
+
+    monkeypatch.setattr(matplotlib.axes.Axes, "plot", plot)
+    written = _report.plot_group(_quick_rows(), list(_GAPS), "t", str(tmp_path / "g"))
+    assert [os.path.basename(p) for p in written] == ["g_loss.png", "g_underflow.png",
+                                                      "g_scales.png"]
+    panels = list(seen.values())
+    assert [len(p) for p in panels] == [6, 5, 3, 15]  # loss, gap, root scale, groups
+    for lines in panels:
+        assert len({line[1:4] for line in lines}) == len(lines), lines
+    assert all(line[4] is not None for line in panels[0])
+    styles = _report.line_styles(40)
+    assert len({(str(s["color"]), s["ls"], s["marker"]) for s in styles}) == 40

@@ -8,6 +8,7 @@ import os
 import platform
 import signal
 import sys
+import textwrap
 import time
 
 import jax
@@ -198,6 +199,7 @@ def main(argv=None) -> int:
     rows = [r for r in _report.read_rows(raw) if _report.row_key(r) in wanted]
     _report.write_csv(os.path.join(args.out, "results.csv"), rows)
     plots = {}
+    verdicts = []
     for (task, regime), configs in plan.items():
         rs = [r for r in rows if r["task"] == task and r["regime"] == regime]
         if rs and not args.no_plots:
@@ -205,12 +207,25 @@ def main(argv=None) -> int:
                 rs, configs, f"{task}, {regime} regime",
                 os.path.join(args.out, "plots", f"{task}_{regime}"))
         if rs:
-            print(f"\n{task}, {regime} regime ({_tasks.TASKS[task].metric}; "
-                  f"{len(seeds)} seeds):")
+            t = _tasks.TASKS[task]
+            print(f"\n{task}, {regime} regime: {t.metric} "
+                  f"({'higher' if t.higher_is_better else 'lower'} is better), "
+                  f"{len({r['seed'] for r in rs})} seeds")
             print(_report.text_table(rs, configs))
+            verdicts.append(((task, regime),
+                             _report.verdict(rs, configs, t.higher_is_better)))
+    if verdicts:
+        print("\n" + textwrap.fill(_report.CONSOLE_LEGEND, _report.CONSOLE_WIDTH))
     if not args.no_plots and rows and not any(plots.values()):
         print("\n(plots skipped: matplotlib is not installed; pip install matplotlib)")
     report = os.path.join(args.out, "report.md")
-    _report.write_report(report, plan, rows, _header(args, argv), plots)
-    print(f"\nreport: {report}; raw rows: {raw}; table: {os.path.join(args.out, 'results.csv')}")
+    _report.write_report(report, plan, rows, _header(args, argv), plots,
+                         dict(verdicts))
+    print(f"\nreport: {report}\nraw rows: {raw}\ntable: "
+          f"{os.path.join(args.out, 'results.csv')}")
+    # Last, one line per (task, regime): what the tables say.
+    for (task, regime), line in verdicts:
+        if len(verdicts) > 1:
+            line = line.replace("Verdict:", f"Verdict ({task}, {regime}):", 1)
+        print(("\n" if (task, regime) == verdicts[0][0] else "") + line)
     return 130 if interrupted else 0

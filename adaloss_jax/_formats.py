@@ -110,8 +110,9 @@ def float_format(dtype_or_name: Any, *, argname: str = "dtype") -> FloatFormat:
     False
 
     Raises:
-      TypeError / ValueError: naming ``argname`` for anything that is not one of the
-        supported formats (float16, bfloat16, float32, float8_e4m3fn, float8_e5m2).
+      TypeError: naming ``argname`` for something that is not a dtype.
+      ValueError: naming ``argname`` for a dtype that is not one of the supported
+        formats (float16, bfloat16, float32, float8_e4m3fn, float8_e5m2).
     """
     if isinstance(dtype_or_name, FloatFormat):
         return dtype_or_name
@@ -161,3 +162,32 @@ def round_to(x: jax.Array, fmt: Any) -> jax.Array:
     """
     fmt = float_format(fmt, argname="fmt")
     return x.astype(fmt.dtype).astype(x.dtype)
+
+
+def pow2_repr(value: Any) -> str:
+    """``repr(value)``, except that a float power of two ``2**k`` with ``|k| >= 5`` is
+    written ``2**k``: how scales are shown by the scalers' reprs, their error messages
+    and the API reference's signatures.
+
+    >>> pow2_repr(2.0**64), pow2_repr(2.0**-24), pow2_repr(2.0**15)
+    ('2**64', '2**-24', '2**15')
+    >>> pow2_repr(16.0), pow2_repr(1.0), pow2_repr(1e-3), pow2_repr(2000)
+    ('16.0', '1.0', '0.001', '2000')
+    """
+    if isinstance(value, float) and math.isfinite(value) and value > 0:
+        mantissa, exponent = math.frexp(value)
+        if mantissa == 0.5 and abs(exponent - 1) >= 5:
+            return f"2**{exponent - 1}"
+    return repr(value)
+
+
+def dataclass_repr(obj: Any) -> str:
+    """The ``repr`` a dataclass generates (its ``repr=True`` fields, in order), with
+    every value written by :func:`pow2_repr`.
+
+    >>> dataclass_repr(FLOAT16).split(", ")[3:5]
+    ['min_normal=2**-14', 'min_subnormal=2**-24']
+    """
+    shown = ", ".join(f"{f.name}={pow2_repr(getattr(obj, f.name))}"
+                      for f in dataclasses.fields(obj) if f.repr)
+    return f"{type(obj).__qualname__}({shown})"

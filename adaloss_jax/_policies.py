@@ -81,7 +81,7 @@ def count_step(state: LossScaleState, grads_finite, loss_finite) -> LossScaleSta
     )
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class NoLossScale:
     """No scaling: scale 1, for bf16/fp32 compute (no underflow to fix).
 
@@ -97,6 +97,8 @@ class NoLossScale:
 
     reason: str = "no scaling requested"
 
+    __repr__ = _formats.dataclass_repr
+
     @property
     def hysteresis(self) -> int:
         return 1
@@ -108,7 +110,7 @@ class NoLossScale:
         return count_step(state, jnp.asarray(grads_finite), jnp.asarray(loss_finite))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class StaticLossScale:
     """A fixed loss scale (jmp ``StaticLossScale``).
 
@@ -117,12 +119,17 @@ class StaticLossScale:
 
     >>> float(StaticLossScale(2.0**8).init().loss_scale)
     256.0
+    >>> StaticLossScale()
+    StaticLossScale(loss_scale=2**15)
     """
 
     loss_scale: float = 2.0**15
 
+    __repr__ = _formats.dataclass_repr
+
     def __post_init__(self):
-        _validation.check_power_of_two("loss_scale", self.loss_scale)
+        object.__setattr__(self, "loss_scale",  # a float: 2**64 as an int overflows jnp
+                           _validation.check_power_of_two("loss_scale", self.loss_scale))
 
     @property
     def hysteresis(self) -> int:
@@ -135,7 +142,7 @@ class StaticLossScale:
         return count_step(state, jnp.asarray(grads_finite), jnp.asarray(loss_finite))
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, repr=False)
 class DynamicLossScale:
     """Dynamic global loss scale with bounds and hysteresis.
 
@@ -182,6 +189,9 @@ class DynamicLossScale:
     ...     st = scaler.adjust(st, finite)
     >>> float(st.loss_scale), int(st.total_skipped)   # grew to 2**5, backed off to 2**4
     (16.0, 1)
+    >>> DynamicLossScale()  # doctest: +NORMALIZE_WHITESPACE
+    DynamicLossScale(initial_scale=2**15, period=2000, factor=2.0, min_loss_scale=1.0,
+                     max_loss_scale=2**64, hysteresis=1, consecutive_hysteresis=False)
     """
 
     initial_scale: float = 2.0**15
@@ -192,12 +202,17 @@ class DynamicLossScale:
     hysteresis: int = 1
     consecutive_hysteresis: bool = False
 
+    __repr__ = _formats.dataclass_repr
+
     def __post_init__(self):
-        _validation.check_power_of_two("initial_scale", self.initial_scale)
+        object.__setattr__(self, "initial_scale",  # a float: 2**64 as an int overflows jnp
+                           _validation.check_power_of_two("initial_scale", self.initial_scale))
         _validation.check_int("period", self.period, minimum=1)
-        _validation.check_growth_factor("factor", self.factor)
-        _validation.check_power_of_two("min_loss_scale", self.min_loss_scale)
-        _validation.check_power_of_two("max_loss_scale", self.max_loss_scale)
+        object.__setattr__(self, "factor", _validation.check_growth_factor("factor", self.factor))
+        object.__setattr__(self, "min_loss_scale",  # a float: 2**64 as an int overflows jnp
+                           _validation.check_power_of_two("min_loss_scale", self.min_loss_scale))
+        object.__setattr__(self, "max_loss_scale",  # a float: 2**64 as an int overflows jnp
+                           _validation.check_power_of_two("max_loss_scale", self.max_loss_scale))
         if self.min_loss_scale > self.max_loss_scale:
             raise ValueError(
                 f"min_loss_scale={self.min_loss_scale!r} is larger than "
@@ -206,8 +221,9 @@ class DynamicLossScale:
         if not self.min_loss_scale <= self.initial_scale <= self.max_loss_scale:
             raise ValueError(
                 f"initial_scale={self.initial_scale!r} lies outside [min_loss_scale, "
-                f"max_loss_scale] = [{self.min_loss_scale!r}, {self.max_loss_scale!r}]; "
-                f"pass an initial_scale inside the bounds"
+                f"max_loss_scale] = [{_formats.pow2_repr(self.min_loss_scale)}, "
+                f"{_formats.pow2_repr(self.max_loss_scale)}]; pass an initial_scale inside the "
+                f"bounds"
             )
         _validation.check_int("hysteresis", self.hysteresis, minimum=1)
         _validation.check_bool("consecutive_hysteresis", self.consecutive_hysteresis)
@@ -339,7 +355,9 @@ def dynamic(
       initial_scale: the scale at the start (a power of two).
       period: consecutive finite steps per growth.
       factor: growth and back-off factor (a power of two > 1).
-      min_loss_scale / max_loss_scale: bounds (powers of two).
+      min_loss_scale: lower bound of the scale (a power of two).
+      max_loss_scale: upper bound of the scale (a power of two); the scale never reaches
+        inf.
       hysteresis: overflows tolerated before backing off.
       consecutive_hysteresis: refill the hysteresis after every applied step.
       compute_dtype: the dtype the model computes in.
@@ -348,13 +366,16 @@ def dynamic(
       A :class:`DynamicLossScale`, or :class:`NoLossScale` for bf16/fp32 compute.
 
     Raises:
-      ValueError / TypeError: for an option out of range, naming it and the fix.
+      ValueError: for an option out of range (not a power of two, bounds that do not
+        hold ``initial_scale``), naming it and the fix.
+      TypeError: for an option of the wrong type, naming it and the fix.
 
     Scaling is activated only for float16 and fp8 ``compute_dtype`` (Keras 3's
     choice): for bfloat16 or float32 this returns :class:`NoLossScale` and says so once.
 
-    >>> dynamic(period=100).period
-    100
+    >>> dynamic(period=100)  # doctest: +NORMALIZE_WHITESPACE
+    DynamicLossScale(initial_scale=2**15, period=100, factor=2.0, min_loss_scale=1.0,
+                     max_loss_scale=2**64, hysteresis=1, consecutive_hysteresis=False)
     """
     return _resolve(
         compute_dtype,

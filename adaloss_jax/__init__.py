@@ -9,7 +9,7 @@ from adaloss_jax._adaptive import (
 from adaloss_jax._check import GradientCheck, check_gradients
 from adaloss_jax._checkpoint import load_state, save_state
 from adaloss_jax._config import AdaptiveScale, adaptive
-from adaloss_jax._diagnostics import check_health, scale_summary, scale_table
+from adaloss_jax._diagnostics import check_health, scale_summary, scale_table, status_line
 from adaloss_jax._formats import (
     BFLOAT16,
     FLOAT8_E4M3,
@@ -99,6 +99,7 @@ __all__ = [
     "select_tree",
     "skip_nonfinite",
     "static",
+    "status_line",
     "unscale",
     "value_and_grad",
 ]

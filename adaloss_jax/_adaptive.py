@@ -28,6 +28,7 @@ import optax
 from adaloss_jax import (
     _apply,
     _channel,
+    _config,
     _formats,
     _policies,
     _record,
@@ -38,11 +39,13 @@ from adaloss_jax import (
 )
 from adaloss_jax._config import AdaptiveScale
 from adaloss_jax._state import (
+    HEALTH_FOREIGN_GRADS,
     AdaptiveScaleState,
     GroupVector,
     ScaleStats,
     check_fingerprint,
     fingerprint,
+    in_shard_map,
     initial_state,
     slot_name,
     slot_runs,
@@ -59,13 +62,26 @@ def _owner_paths(params, max_depth: int | None = None) -> set[tuple[str, ...]]:
     return {p[:-1][:max_depth] for p in _tree.leaf_paths(params) if len(p) > 1}
 
 
+def _marked_above(params, max_depth: int | None = None) -> set[tuple[str, ...]]:
+    """The paths marked with :func:`adaloss_jax.scale_group` that hold parameters only
+    below them (``params["blk"] = {"a": ..., "b": ...}``): each is a group too, that a
+    marked call takes for all the parameters under it (a framework's module at such a
+    path is not, so a name marked elsewhere changes nothing for it)."""
+    owners = _owner_paths(params, max_depth)
+    return {m[:max_depth] for m in _record.MARKED
+            if m[:max_depth] not in owners
+            and any(o[:len(m)] == m and len(o) > len(m) for o in owners)}
+
+
 def param_groups(params: Any, scaler: AdaptiveScale) -> list[str]:
     """The scale groups of a parameter tree, in model order.
 
     The root and, with ``groups="module"``, every module that owns parameters directly
-    (or through modules deeper than ``max_depth``), and for a group that may be a stack
-    of layers run by a scan (docs: concepts, stacks of layers) a slot per layer, ``g[0]``,
-    ``g[1]``, ...
+    (or through modules deeper than ``max_depth``), every name marked with
+    :func:`adaloss_jax.scale_group` that holds parameters nested below it (used where a
+    marked call takes them; hidden from the diagnostics until then), and for a group
+    that may be a stack of layers run by a scan (docs: concepts, stacks of layers) a slot
+    per layer, ``g[0]``, ``g[1]``, ...
 
     Args:
       params: the parameters (any pytree; a linen ``{"params": ...}`` collection is
@@ -80,7 +96,7 @@ def param_groups(params: Any, scaler: AdaptiveScale) -> list[str]:
     >>> param_groups(p, AdaptiveScale(groups="module"))
     ['', 'Dense_0', 'Dense_1']
     """
-    groups = {ROOT} | {scaler.group_of(o) for o in _owner_paths(params)}
+    groups = {ROOT} | {scaler.group_of(o) for o in _owner_paths(params) | _marked_above(params)}
     for g, n in stack_lengths(params, scaler).items():
         groups |= {slot_name(g, i) for i in range(n)}
     return sorted(groups, key=_tree.natural)
@@ -100,10 +116,12 @@ def stack_lengths(params: Any, scaler: AdaptiveScale) -> dict[str, int]:
     if scaler.groups != "module":
         return {}
     shapes: dict[str, list] = {}
+    marked = _marked_above(params)
     for path, leaf in zip(_tree.leaf_paths(params), jax.tree_util.tree_leaves(params)):
         if len(path) > 1 and _tree.is_float(leaf):
-            shapes.setdefault(scaler.group_of(path[:-1]), []).append(
-                tuple(getattr(leaf, "shape", ())))
+            for owner in [path[:-1]] + [m for m in marked if path[:len(m)] == m]:
+                shapes.setdefault(scaler.group_of(owner), []).append(
+                    tuple(getattr(leaf, "shape", ())))
     out = {}
     for g, ss in shapes.items():
         lead = {s[0] if len(s) >= 2 else None for s in ss}
@@ -128,9 +146,11 @@ def leaf_group(path: tuple[str, ...], active, scaler: AdaptiveScale) -> str:
 # --------------------------------------------------------------------- the gradient
 
 
-def _selector(scaler: AdaptiveScale, owners: set, deep: set) -> Callable:
+def _selector(scaler: AdaptiveScale, owners: set, deep: set, marked: set = frozenset()
+              ) -> Callable:
     """``(path, module) -> "group" | "measure" | None`` for the recorder: a module that
-    owns parameters is a group, any other call is measured and cut, and a module deeper
+    owns parameters is a group (so is a ``scale_group`` call at a ``marked`` path, above
+    its parameters), any other call is measured and cut, and a module deeper
     than ``max_depth`` (added to ``deep``) or rejected by the filter gets no point."""
 
     def selects(path, module):
@@ -139,7 +159,7 @@ def _selector(scaler: AdaptiveScale, owners: set, deep: set) -> Callable:
             return None
         if scaler.filter is not None and module is not None and not scaler.filter(path, module):
             return None
-        return "group" if path in owners else "measure"
+        return "group" if path in owners or (module is None and path in marked) else "measure"
 
     return selects
 
@@ -181,14 +201,30 @@ def _check_recording(rec: _record.Recording, scaler: AdaptiveScale, owners: set,
             f"around them (and with groups='module' their parameters would get no group of "
             f"their own); pass max_depth={k + 1} (paths count every component, a list index "
             f"included), or a filter")
-    narrow = {jnp.dtype(jnp.float16), jnp.dtype(scaler.format.dtype)}
-    if rec.calls and not rec.dtypes & narrow:
-        _policies.notice_once(
-            "wide-model",
-            f"adaloss_jax: no float16 value crossed a module boundary (saw "
-            f"{sorted(d.name for d in rec.dtypes)}): bf16/fp32 compute needs no loss "
-            f"scaling; adaloss_jax.no_scaling() (or no scaler) does the same for less")
     return group_calls if scaler.groups == "module" else set()
+
+
+def _wide(rec: _record.Recording, scaler: AdaptiveScale) -> bool:
+    """Whether the scaler is off: ``compute_dtype`` says bf16/fp32, or, left ``None``,
+    the model computes in bf16/fp32 only (no float16 or ``grad_dtype`` value crosses a
+    module boundary, and nothing is simulated): then no gradient underflows, and the
+    scaler turns itself off, as :func:`adaloss_jax.dynamic` does (says so once)."""
+    if scaler.compute_dtype is not None:
+        return not _formats.float_format(scaler.compute_dtype).needs_scaling
+    narrow = {jnp.dtype(jnp.float16), jnp.dtype(scaler.format.dtype)}
+    if scaler.simulate or not rec.calls or rec.dtypes & narrow:
+        return False
+    _policies.notice_once("wide-model", WIDE_MODEL.format(
+        seen=sorted(d.name for d in rec.dtypes)))
+    return True
+
+
+WIDE_MODEL = (
+    "adaloss_jax: no float16 value crossed a module boundary (saw {seen}): bf16/fp32 "
+    "compute needs no loss scaling, so the adaptive scaler is off: every scale stays 1 "
+    "and only non-finite steps are skipped (as dynamic() becomes no_scaling()). For fp8 "
+    "gradients simulated in a wider model pass simulate=True; to scale an fp32 model all "
+    "the same, compute_dtype='float16'")
 
 
 def _plan(rec: _record.Recording, scaler: AdaptiveScale, owners: list,
@@ -212,7 +248,9 @@ def trace(fun, scaler: AdaptiveScale, params, args: tuple, kwargs: dict, hooks=(
     the program to evaluate, and the groups it uses (the root first)."""
     owners_all = _owner_paths(params, scaler.max_depth)
     deep: set = set()
-    rec = _record.record(fun, params, args, kwargs, _selector(scaler, owners_all, deep), hooks)
+    marked = _marked_above(params, scaler.max_depth)
+    rec = _record.record(fun, params, args, kwargs,
+                         _selector(scaler, owners_all, deep, marked), hooks)
     if rec.n_params != len(jax.tree_util.tree_leaves(params)):
         raise TypeError("every parameter leaf must be an array (adaptive_value_and_grad "
                         "differentiates all of them)")
@@ -282,7 +320,9 @@ def adaptive_value_and_grad(
             raise ValueError(
                 f"the loss calls scale groups {missing[:5]} that the optimizer state does not "
                 f"know (state groups: {list(state.groups)[:8]}); build the state with "
-                f"tx.init on the parameters this loss is given")
+                f"tx.init on the parameters this loss is given, after the functions are "
+                f"marked with adaloss_jax.scale_group (the state's groups are formed from "
+                f"the names marked by then)")
         sites = program.sites()
         rest = rec.dynamic[rec.n_params:]
         treedef = jax.tree_util.tree_structure(params)
@@ -307,11 +347,15 @@ def adaptive_value_and_grad(
             grads = jax.tree_util.tree_unflatten(treedef, g_values)
             return value, grads, _decode(program, sites, rows, used, scaler)
 
-        if scaler.retries:
+        if _wide(rec, scaler):
+            (loss, aux), grads, stats = _unscaled(attempt, state)
+        elif scaler.retries:
             (loss, aux), grads, stats = _until_applied(attempt, state)
         else:
             (loss, aux), grads, stats = attempt(state.log2_scales)
-        stats = dataclasses.replace(stats, fingerprint=fingerprint(params))
+        _, grad_amax = _unscale(grads, stats, scaler, state)
+        stats = dataclasses.replace(stats, fingerprint=fingerprint(params), grad_amax=grad_amax,
+                                    origin=(state.groups, scaler))
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return wrapped
@@ -328,6 +372,22 @@ def _decode(program: _apply.Program, sites, rows, used: GroupVector,
                   [_channel.Row(_stream.at(s.row.y, i), _stream.at(s.row.x, i),
                                 s.row.y_max, s.row.x_max) for i in range(s.lead[s.layer_axis])])
     return _channel.decode(specs, values, used, program.columns, scaler.format.max)
+
+
+def _unscaled(attempt: Callable, state: AdaptiveScaleState):
+    """``attempt`` at scale 1 everywhere, with the verdict of no scaling: the scales stay
+    1, a step is applied when its loss and gradients are finite."""
+    one = GroupVector(state.groups, jnp.zeros_like(state.log2_scales.array))
+    value, grads, stats = attempt(one)
+    axis_name = _bound(state.axis_name)
+    base = _policies.count_step(
+        state.base._replace(loss_scale=jnp.ones_like(state.base.loss_scale)),
+        _transforms.all_finite(grads, axis_name=axis_name),
+        _transforms.all_finite(value[0], axis_name=axis_name))
+    verdict = {f: getattr(state, f) for f in RETRIED}
+    verdict.update(log2_scales=one, base=base, health=state.health,
+                   retries=jnp.zeros((), jnp.int32))
+    return value, grads, dataclasses.replace(stats, verdict=verdict)
 
 
 def _until_applied(attempt: Callable, state: AdaptiveScaleState):
@@ -371,7 +431,7 @@ def _until_applied(attempt: Callable, state: AdaptiveScaleState):
     shapes = jax.eval_shape(lambda sc: arrays(attempt(sc)), state.log2_scales)
     init = (jnp.int32(0), jnp.asarray(False), state, state,
             [jnp.zeros(x.shape, x.dtype) for x in shapes])
-    if _manual_axes():  # inside shard_map: the carry's types must be a fixed point
+    if in_shard_map():  # inside shard_map: the carry's types must be a fixed point
         for _ in range(3):
             typed = _typed_like(init, jax.eval_shape(body, init))
             if jax.tree_util.tree_all(jax.tree_util.tree_map(lambda a, b: a is b, typed,
@@ -385,12 +445,6 @@ def _until_applied(attempt: Callable, state: AdaptiveScaleState):
 
 
 RETRIED = ("log2_scales", "log2_amax", "overflowed", "headroom", "ceiling")
-
-
-def _manual_axes() -> bool:
-    """Whether this trace is inside a ``shard_map`` (its mesh has manual axes)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return bool(getattr(mesh, "manual_axes", ())) if mesh is not None else False
 
 
 def _bound(axis_name: str | None) -> str | None:
@@ -447,7 +501,7 @@ def _in_use(scales: GroupVector, groups: list[str]) -> GroupVector:
 def adaptive_state(tree: Any) -> AdaptiveScaleState:
     """The :class:`~adaloss_jax.AdaptiveScaleState` inside an optimizer state (or a
     ``TrainState``, an ``nnx.Optimizer``), or an error naming how to build one."""
-    state = _transforms.scale_state(tree)
+    state = _transforms.training_state(tree)
     if not isinstance(state, AdaptiveScaleState):
         raise ValueError(
             "the optimizer state holds a global scaler's state, not an adaptive one; build "
@@ -458,6 +512,22 @@ def adaptive_state(tree: Any) -> AdaptiveScaleState:
 
 
 # ------------------------------------------------------------------------- optax side
+
+
+OTHER_SCALER = (
+    "this adaptive_unscale and the optimizer state were built with different scalers "
+    "({diff}): re-run tx.init(params) with this transformation")
+OTHER_STATE = (
+    "scale_stats were measured with another optimizer state than the one given to update "
+    "({diff}): pass the statistics that adaptive_value_and_grad returned for this same "
+    "optimizer state, as in loss, grads, stats = adaptive_value_and_grad(loss_fn)("
+    "opt_state, params, ...); tx.update(grads, opt_state, params, loss=loss, "
+    "scale_stats=stats)")
+
+
+def _short(groups: tuple) -> str:
+    shown = ", ".join(repr(g) for g in groups[:5]) + (", ..." if len(groups) > 5 else "")
+    return f"[{shown}] ({len(groups)} group{'s' * (len(groups) != 1)})"
 
 
 def _check_update(state: AdaptiveScaleState, scaler: AdaptiveScale, updates,
@@ -471,9 +541,8 @@ def _check_update(state: AdaptiveScaleState, scaler: AdaptiveScale, updates,
             "of an unscaled loss (plain jax.grad) need no adaptive_unscale; for a flax "
             "TrainState use adaloss_jax.flax.TrainState and train_step")
     if state.scaler != scaler:
-        raise ValueError(
-            f"this adaptive_unscale was built with {scaler!r}, but the optimizer state with "
-            f"{state.scaler!r}: re-run tx.init(params) with this transformation")
+        raise ValueError(OTHER_SCALER.format(
+            diff=_config.differences(scaler, state.scaler, names=("transformation", "state"))))
     check_fingerprint(state.fingerprint, updates, "the gradients",
                       "pass the gradients of the parameters tx.init was called with, or "
                       "re-run tx.init(params) for this model")
@@ -481,11 +550,14 @@ def _check_update(state: AdaptiveScaleState, scaler: AdaptiveScale, updates,
         check_fingerprint(state.fingerprint, stats.fingerprint, "the scale_stats",
                           "pass the statistics adaptive_value_and_grad returned for this "
                           "model with this optimizer state")
-    if stats.verdict is not None and stats.verdict["log2_scales"].names != state.groups:
-        raise ValueError(
-            "scale_stats were retried from another optimizer state (its groups differ from "
-            "this state's); pass the statistics adaptive_value_and_grad returned with this "
-            "optimizer state")
+    if stats.origin and stats.origin != (state.groups, state.scaler):
+        groups, other = stats.origin
+        diff = [] if groups == state.groups else [
+            f"groups {_short(groups)} (statistics) vs {_short(state.groups)} (state)"]
+        if other != state.scaler:
+            diff.append(_config.differences(other, state.scaler,
+                                            names=("statistics", "state")))
+        raise ValueError(OTHER_STATE.format(diff="; ".join(diff)))
     unknown = sorted(set(stats.log2_scales) - set(state.groups), key=_tree.natural)
     if unknown:
         raise ValueError(
@@ -527,6 +599,22 @@ def _unscale(updates, stats: ScaleStats, scaler: AdaptiveScale, state: AdaptiveS
                                      jnp.asarray(index), ng)
         p_amax = jnp.maximum(p_amax, 0.0)
     return jax.tree_util.tree_unflatten(treedef, out), p_amax
+
+
+def _foreign(received: jax.Array, measured: jax.Array, axis_name: str | None) -> jax.Array:
+    """Whether the gradients handed to ``update`` (their per-group largest magnitude at
+    scale, ``received``) are not those the statistics came with (``measured``): another
+    magnitude by more than 2x, or finite where those were not. Under a bound
+    ``axis_name`` the gradients may have been summed or averaged over its devices since,
+    so only a magnitude beyond ``2 n`` times the largest measured on any device counts."""
+    if axis_name is None:
+        finite_r, finite_m = received < jnp.inf, measured < jnp.inf
+        apart = (received > 2 * measured) | (measured > 2 * received)
+        return jnp.any((finite_r != finite_m) | (finite_r & finite_m & apart))
+    n = jax.lax.axis_size(axis_name)
+    top = jax.lax.pmax(measured, axis_name)
+    beyond = jnp.any((received < jnp.inf) & (received > 2 * n * top))
+    return jax.lax.pmax(beyond.astype(jnp.int32), axis_name) > 0
 
 
 def _verdict(state: AdaptiveScaleState, grads, stats: ScaleStats, loss,
@@ -628,7 +716,11 @@ def adaptive_unscale(
             verdict = dict(scale_stats.verdict)
             retries = _reduce(verdict.pop("retries"), jax.lax.pmax, axis_name)
             state = state.replace(**verdict, total_retries=state.total_retries + retries)
-        updates, _ = _unscale(updates, scale_stats, scaler, state)
+        updates, received = _unscale(updates, scale_stats, scaler, state)
+        if scale_stats.grad_amax is not None:
+            foreign = _foreign(received, scale_stats.grad_amax, _bound(axis_name))
+            state = state.replace(
+                health=state.health | jnp.where(foreign, HEALTH_FOREIGN_GRADS, 0))
         return _transforms.signal_skip(updates, state.base.last_applied), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

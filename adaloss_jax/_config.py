@@ -18,7 +18,7 @@ STATISTICS = ("amax", "gaussian", "quantile")
 GROUPINGS = ("global", "module")
 
 
-@dataclasses.dataclass(frozen=True, kw_only=True)
+@dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
 class AdaptiveScale:
     """Adaptive per-layer loss scaling (Zhao et al., arXiv 1910.12385): its options.
 
@@ -56,6 +56,8 @@ class AdaptiveScale:
     ``max_depth``             ``None``          scale points only around modules this
                                                 deep (``1``: one scale per block)
     ``filter``                ``None``          ``(path, module) -> bool``: modules to scale
+    ``compute_dtype``         ``None``          ``None``: off for a bf16/fp32 model, read
+                                                from the trace; a dtype: as ``dynamic()``'s
     ========================= ================= ==========================================
 
     The rule each option enters is written out on :func:`adaloss_jax.adaptive_unscale`.
@@ -83,7 +85,8 @@ class AdaptiveScale:
         so far are a multiple of ``period`` (the reference's every-``F``-iterations);
         backoffs and blind jumps happen on any step.
       initial_scale: every group's scale before the first statistics (a power of two).
-      min_loss_scale / max_loss_scale: bounds of every scale (powers of two).
+      min_loss_scale: lower bound of every scale (a power of two).
+      max_loss_scale: upper bound of every scale (a power of two).
       factor: a group that overflowed backs off by ``factor`` (a power of two > 1), and by
         ``factor ** (2 ** n)`` after ``n`` consecutive overflows (``n`` capped at 4).
       max_rise: a step whose own statistics call for a scale more than ``max_rise``
@@ -104,12 +107,27 @@ class AdaptiveScale:
         parameters join its enclosing module's group. ``None``: every module.
       filter: ``(module_path, module) -> bool``; modules it rejects get no scale point and
         their parameters join the nearest selected enclosing group. ``None``: all.
+      compute_dtype: the dtype the model computes in, as for
+        :func:`adaloss_jax.dynamic`: for ``bfloat16`` or ``float32`` the scaler is off
+        (every scale 1, no retry, only non-finite steps skipped); for ``float16`` or an
+        fp8 format it scales. ``None``: read from the trace: off when no float16 or
+        ``grad_dtype`` value crosses a module boundary and ``simulate`` is off (it says so
+        once), else on. ``"float16"`` also makes an fp32 model scale (to study the
+        scales, or exactness under them, without fp16 rounding).
 
     Raises:
-      ValueError / TypeError: naming the option, the value and the fix.
+      ValueError: for an option out of range, naming the option, the value and the fix.
+      TypeError: for an option of the wrong type, naming the option, the value and the
+        fix.
 
     >>> AdaptiveScale(groups="module", grad_dtype="float8_e4m3fn").margin
     2
+    >>> AdaptiveScale()  # doctest: +NORMALIZE_WHITESPACE
+    AdaptiveScale(groups='global', grad_dtype='float16', simulate=False, statistic='amax',
+                  threshold=0.001, margin=4, decay=inf, period=1, initial_scale=1.0,
+                  min_loss_scale=2**-24, max_loss_scale=2**64, factor=16.0, max_rise=5,
+                  retries=4, max_consecutive_skips=16, max_depth=None, filter=None,
+                  compute_dtype=None)
     """
 
     groups: str = "global"
@@ -129,6 +147,9 @@ class AdaptiveScale:
     max_consecutive_skips: int = 16
     max_depth: int | None = None
     filter: Callable[[tuple[str, ...], Any], bool] | None = None
+    compute_dtype: Any = None
+
+    __repr__ = _formats.dataclass_repr
 
     def __post_init__(self):
         if self.statistic not in STATISTICS:
@@ -156,12 +177,14 @@ class AdaptiveScale:
                              f"got {self.decay!r}")
         _validation.check_int("period", self.period, minimum=1)
         for option in ("initial_scale", "min_loss_scale", "max_loss_scale"):
-            _validation.check_power_of_two(option, getattr(self, option))
+            object.__setattr__(self, option,  # a float: 2**64 as an int overflows jnp
+                               _validation.check_power_of_two(option, getattr(self, option)))
         if not self.min_loss_scale <= self.initial_scale <= self.max_loss_scale:
             raise ValueError(
                 f"initial_scale={self.initial_scale!r} must lie in [min_loss_scale, "
-                f"max_loss_scale] = [{self.min_loss_scale!r}, {self.max_loss_scale!r}]; pass "
-                f"an initial_scale inside the bounds")
+                f"max_loss_scale] = [{_formats.pow2_repr(self.min_loss_scale)}, "
+                f"{_formats.pow2_repr(self.max_loss_scale)}]; pass an initial_scale inside the "
+                f"bounds")
         _validation.check_growth_factor("factor", self.factor)
         if self.max_rise is None:
             object.__setattr__(self, "max_rise", self.backoff + 1)
@@ -171,6 +194,9 @@ class AdaptiveScale:
         _validation.check_bool("simulate", self.simulate)
         if self.max_depth is not None:
             _validation.check_int("max_depth", self.max_depth, minimum=1)
+        if self.compute_dtype is not None:  # a canonical name: equal scalers compare equal
+            object.__setattr__(self, "compute_dtype", _formats.float_format(
+                self.compute_dtype, argname="compute_dtype").name)
         if self.filter is not None and not callable(self.filter):
             raise TypeError(
                 f"filter must be a callable (module_path, module) -> bool, got {self.filter!r}")
@@ -190,6 +216,19 @@ class AdaptiveScale:
         if self.groups == "global":
             return _tree.ROOT
         return _tree.name(module_path[:self.max_depth])
+
+
+def differences(ours: AdaptiveScale, theirs: AdaptiveScale, *, names=("this", "that")
+                ) -> str:
+    """The options two scalers set differently, as ``name: ours (this) vs theirs
+    (that)``, joined by ``; `` (what a mismatch message lists instead of two reprs)."""
+    this, that = names
+    show = _formats.pow2_repr
+    diff = [f"{f.name}={show(getattr(ours, f.name))} ({this}) vs "
+            f"{show(getattr(theirs, f.name))} ({that})"
+            for f in dataclasses.fields(AdaptiveScale)
+            if getattr(ours, f.name) != getattr(theirs, f.name)]
+    return "; ".join(diff) or "none (equal options)"
 
 
 adaptive = AdaptiveScale

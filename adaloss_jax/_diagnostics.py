@@ -12,6 +12,7 @@ import jax
 
 from adaloss_jax import _transforms, _tree
 from adaloss_jax._state import (
+    HEALTH_FOREIGN_GRADS,
     HEALTH_NOTHING_MEASURED,
     HEALTH_PINNED_LOW,
     HEALTH_SKIPPING,
@@ -39,58 +40,116 @@ def _groups(tree: Any) -> tuple[Any, list[tuple[str, float, float, bool]]]:
         if slot is not None:
             by_layer[slot[0]] = by_layer.get(slot[0], False) or a > -math.inf
     measured = {g for g, _, a, _ in rows if a > -math.inf}
-    return st, [r for r in rows if not (
+    rows = [r for r in rows if not (
         (split_slot(r[0]) is not None and not by_layer.get(split_slot(r[0])[0], True))
         or (by_layer.get(r[0]) and r[0] not in measured))]
+    # A scale_group name above other groups (param_groups) is shown once a call used it;
+    # then the groups under it, which no call uses, are not.
+    base = lambda g: split_slot(g)[0] if split_slot(g) is not None else g
+    bases = {base(g) for g, _, _, _ in rows}
+    under = lambda g, above: bool(above) and g.startswith(above + "/")
+    return st, [r for r in rows if r[0] in measured or not (
+        any(under(b, base(r[0])) for b in bases)
+        or any(under(base(r[0]), base(m)) for m in measured))]
+
+
+def _amax(a: float) -> float | None:
+    """A log2 unit amax for people: rounded, ``None`` for nothing measured (``-inf``)."""
+    return round(a, 2) if a > -math.inf else None
 
 
 def scale_summary(tree: Any) -> dict:
-    """The scales as plain Python data for logs.
+    """The scales as plain, rounded Python data for logs.
 
     Args:
       tree: anything holding a scaler state (see :func:`adaloss_jax.scale_state`).
 
     Returns:
-      ``log2_group_scales``, ``log2_unit_amax`` and ``overflowed`` (``{group: value}``,
-      in model order, the root ``""`` first), and ``group_log2_min_med_max`` over the
-      non-root groups (the root if it is alone).
+      ``log2_group_scales`` (whole binades for the adaptive rule), ``log2_unit_amax``
+      (``log2`` of the largest gradient magnitude the group measured, taken back to scale
+      1, to 0.01; ``None``: nothing measured yet, and always for a global scaler, which
+      measures nothing) and ``overflowed`` (each ``{group: value}``, in model order, the
+      root ``""`` first), and ``group_log2_min_med_max`` over the non-root groups (the
+      root if it is alone).
 
     >>> import adaloss_jax as alj
     >>> alj.scale_summary(alj.dynamic(initial_scale=2.0**10).init())["log2_group_scales"]
     {'': 10.0}
     """
     _, rows = _groups(tree)
-    scales = {g: s for g, s, _, _ in rows}
+    scales = {g: round(s, 2) for g, s, _, _ in rows}
     vals = sorted(v for g, v in scales.items() if g) or [scales[_tree.ROOT]]
     mid = len(vals) // 2
     median = vals[mid] if len(vals) % 2 else (vals[mid - 1] + vals[mid]) / 2
     return {
         "log2_group_scales": scales,
-        "log2_unit_amax": {g: a for g, _, a, _ in rows},
+        "log2_unit_amax": {g: _amax(a) for g, _, a, _ in rows},
         "overflowed": {g: o for g, _, _, o in rows},
         "group_log2_min_med_max": [vals[0], median, vals[-1]],
     }
 
 
-def scale_table(tree: Any) -> str:
+TABLE_FOOTER = (
+    "log2 scale: each group's gradients are computed at 2**(log2 scale) and divided by it.\n"
+    "log2 unit amax: log2 of the largest gradient magnitude the group measured at its last\n"
+    "statistics, taken back to scale 1 ('-': nothing measured yet; a global scaler measures\n"
+    "nothing). overflowed: the group's last statistics were not finite.")
+
+
+def scale_table(tree: Any, *, legend: bool = True) -> str:
     """The scales and last statistics as a text table, one row per group.
 
     Args:
       tree: anything holding a scaler state (see :func:`adaloss_jax.scale_state`).
+      legend: end with lines saying what each column means.
 
     Returns:
       The table, a string.
 
     >>> import adaloss_jax as alj
-    >>> print(alj.scale_table(alj.static(2.0**12).init()))
+    >>> print(alj.scale_table(alj.static(2.0**12).init(), legend=False))
     group                                    log2 scale  log2 unit amax overflowed
-    (root)                                           12            -inf      False
+    (root)                                           12               -      False
     """
     _, rows = _groups(tree)
     lines = [f"{'group':<40} {'log2 scale':>10} {'log2 unit amax':>15} {'overflowed':>10}"]
     for g, s, a, o in rows:
-        lines.append(f"{(g or '(root)'):<40} {s:>10.0f} {a:>15.1f} {o!s:>10}")
-    return "\n".join(lines)
+        shown = f"{a:.1f}" if a > -math.inf else "-"
+        lines.append(f"{(g or '(root)'):<40} {s:>10.0f} {shown:>15} {o!s:>10}")
+    return "\n".join(lines + ([TABLE_FOOTER] if legend else []))
+
+
+def status_line(tree: Any, *, warn: bool = True) -> str:
+    """One line on the scaler for a training log: whether the last step was applied, the
+    scales' range, the skipped steps, the retried passes and the health.
+
+    Args:
+      tree: anything holding a scaler state (see :func:`adaloss_jax.scale_state`).
+      warn: also issue what :func:`check_health` finds as warnings (once each), so a run
+        of skipped steps is not silent in a loop that logs this line.
+
+    Returns:
+      A line such as ``applied | scale 2^3..2^14 (3 groups) | skipped 1/41, 0 in a row |
+      retried 2 | ok``.
+
+    >>> import adaloss_jax as alj
+    >>> alj.status_line(alj.dynamic(initial_scale=2.0**10).init())
+    'applied | scale 2^10 | skipped 0/0, 0 in a row | ok'
+    """
+    st, rows = _groups(tree)
+    scales = [s for g, s, _, _ in rows if g] or [s for _, s, _, _ in rows]
+    lo, hi = min(scales), max(scales)
+    span = f"2^{lo:g}" if lo == hi else f"2^{lo:g}..2^{hi:g}"
+    if isinstance(st, AdaptiveScaleState):
+        span += f" ({len(scales)} group{'s' * (len(scales) != 1)})"
+    applied, skipped = int(st.total_applied), int(st.total_skipped)
+    parts = ["applied" if bool(st.last_applied) else "SKIPPED", f"scale {span}",
+             f"skipped {skipped}/{applied + skipped}, {int(st.notfinite_count)} in a row"]
+    if isinstance(st, AdaptiveScaleState) and int(st.total_retries):
+        parts.append(f"retried {int(st.total_retries)}")
+    problems = check_health(tree, warn=warn)
+    parts.append(f"{len(problems)} problem(s): see check_health" if problems else "ok")
+    return " | ".join(parts)
 
 
 _HEALTH_TEXT = {
@@ -109,6 +168,14 @@ _HEALTH_TEXT = {
         "nothing was measured at max_loss_scale: the gradients are exactly zero (the loss "
         "does not depend on the parameters, or everything is frozen); check that the loss "
         "function returns a loss computed from params."
+    ),
+    HEALTH_FOREIGN_GRADS: (
+        "the gradients handed to tx.update are not the ones its scale_stats were measured "
+        "with (their largest magnitude per group differs): they are unscaled by scales "
+        "they were not computed at. Pass the grads and stats of the same "
+        "adaloss_jax.adaptive_value_and_grad call, unchanged (not jax.grad's gradients, not "
+        "clipped, not accumulated over microbatches before the scaler: see the gradient "
+        "accumulation page)."
     ),
 }
 _SKIPPING_LIMIT = 16  # a global scaler's state has no limit of its own: the adaptive default

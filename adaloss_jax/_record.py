@@ -128,13 +128,19 @@ def report(path: tuple[str, ...], module, fn: Callable, args, kwargs):
         inside.pop()
 
 
+MARKED: set[tuple[str, ...]] = set()  # the paths scale_group was given, in this process
+
+
 def scale_group(name: str) -> Callable:
     """Marks a function as a scale group for adaptive per-layer scaling (pure JAX).
 
     ``scale_group("layer0")(fn)(*args)`` calls ``fn(*args)``; inside
     :func:`adaloss_jax.adaptive_value_and_grad` the call gets scale points, and the
-    parameters under ``params["layer0"]`` (``"a/b"`` for ``params["a"]["b"]``) are that
-    group's. Outside it, the wrapper is ``fn`` itself.
+    parameters under ``params["layer0"]`` (``"a/b"`` for ``params["a"]["b"]``), however
+    deeply nested, are that group's (those under a name marked deeper inside it are that
+    one's). Outside it, the wrapper is ``fn`` itself. Mark functions before ``tx.init``
+    builds the optimizer state: the state's groups are formed from the names marked by
+    then.
 
     Args:
       name: the group's path, ``/``-separated; not empty.
@@ -152,6 +158,7 @@ def scale_group(name: str) -> Callable:
     path = tuple(name.split("/")) if name else ()
     if not path:
         raise ValueError("scale_group needs a non-empty name, such as 'layer0'")
+    MARKED.add(path)
 
     def deco(fn):
         @functools.wraps(fn)

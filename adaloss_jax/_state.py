@@ -22,6 +22,7 @@ from adaloss_jax._policies import LossScaleState
 from adaloss_jax._policies import initial_state as base_state
 
 HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
+HEALTH_FOREIGN_GRADS = 8
 
 
 def slot_name(group: str, i: int) -> str:
@@ -155,23 +156,39 @@ jax.tree_util.register_pytree_with_keys(
 
 
 def fingerprint(tree: Any) -> str:
-    """A short hash of a parameter tree's leaf paths and ranks. Not dtypes (fp32 master
-    parameters and their fp16 gradients match) and not sizes: inside ``shard_map`` a
-    sharded parameter's gradient is its shard, of the full parameter's rank and a smaller
-    size, and a state built by ``tx.init`` on the full parameters must accept it."""
-    ranks = [len(getattr(x, "shape", ())) for x in jax.tree_util.tree_leaves(tree)]
-    text = repr(list(zip(_tree.leaf_paths(tree), ranks)))
-    return hashlib.sha1(text.encode()).hexdigest()[:12]
+    """A short hash of a parameter tree's leaf paths and ranks, then (after a ``.``) one
+    of its leaf shapes. Not dtypes (fp32 master parameters and their fp16 gradients
+    match). The shapes are compared only outside ``shard_map``: inside it a sharded
+    parameter's gradient is its shard, of the full parameter's rank and a smaller size,
+    and a state built by ``tx.init`` on the full parameters must accept it."""
+    leaves, paths = jax.tree_util.tree_leaves(tree), _tree.leaf_paths(tree)
+    shapes = [tuple(getattr(x, "shape", ())) for x in leaves]
+    digest = lambda v: hashlib.sha1(repr(list(zip(paths, v))).encode()).hexdigest()[:12]
+    return f"{digest([len(s) for s in shapes])}.{digest(shapes)}"
 
 
 def check_fingerprint(expected: str, tree_or_fingerprint: Any, what: str, fix: str) -> None:
-    """Refuses, at trace time, ``what`` that belongs to another model than ``expected``."""
+    """Refuses, at trace time, ``what`` that belongs to another model than ``expected``
+    (other leaf paths or ranks; outside ``shard_map`` other shapes too)."""
     got = (tree_or_fingerprint if isinstance(tree_or_fingerprint, str)
            else fingerprint(tree_or_fingerprint))
-    if got != expected:
+    (want_ranks, _, want_shapes), (got_ranks, _, got_shapes) = (
+        expected.partition("."), got.partition("."))
+    if got_ranks != want_ranks:
         raise ValueError(
             f"{what} belong to another model than this optimizer state (parameter paths or "
             f"ranks differ: fingerprint {got} != {expected}); {fix}")
+    if want_shapes and got_shapes and got_shapes != want_shapes and not in_shard_map():
+        raise ValueError(
+            f"{what} have other shapes than the parameters this optimizer state was built "
+            f"for (the same paths and ranks, other sizes: another width or vocabulary?); "
+            f"{fix}")
+
+
+def in_shard_map() -> bool:
+    """Whether this trace is inside a ``shard_map`` (its mesh has manual axes)."""
+    mesh = jax.sharding.get_abstract_mesh()
+    return bool(getattr(mesh, "manual_axes", ())) if mesh is not None else False
 
 
 def _static(**kw):
@@ -203,9 +220,12 @@ class AdaptiveScaleState:
       health: int32 bit set, 0 when all is well: ``HEALTH_SKIPPING`` (at least
         ``max_consecutive_skips`` skipped steps in a row), ``HEALTH_PINNED_LOW`` (a group
         overflowed at ``min_loss_scale``), ``HEALTH_NOTHING_MEASURED`` (a group measured
-        nothing at ``max_loss_scale``). :func:`adaloss_jax.check_health` explains them.
+        nothing at ``max_loss_scale``), ``HEALTH_FOREIGN_GRADS`` (the gradients handed
+        to ``update`` were not the ones its ``scale_stats`` were measured with).
+        :func:`adaloss_jax.check_health` explains them.
       scaler: the :class:`~adaloss_jax.AdaptiveScale` the state was built with (static).
-      fingerprint: the parameter paths and ranks the state was built for (static).
+      fingerprint: the parameter paths, ranks and shapes the state was built for
+        (static).
       axis_name: the mapped axis statistics are reduced over (static; the optimizer's
         ``axis_name``), so a retried pass decides alike on every device.
 
@@ -282,8 +302,8 @@ class ScaleStats:
         was not finite), in units of ``grad_dtype``: a value held in a wider format counts
         ``u_max / u_max(its format)`` times less.
       bad: whether an overflow started at the group's scale (only those groups back off).
-      sumsq / count: sum of squares and element count (``statistic="gaussian"``), or
-        ``None``.
+      sumsq: sum of squares (``statistic="gaussian"``), or ``None``.
+      count: element count (``statistic="gaussian"``), or ``None``.
       hist: per-binade histogram at the group's scale (``statistic="quantile"``; an array
         ``(NBINS, groups)``), or ``None``.
       nonfinite: whether any measured value or conversion was not finite.
@@ -291,7 +311,12 @@ class ScaleStats:
         the rule's next state for the pass these statistics are of (its array fields
         but ``total_retries``) and ``retries``, the passes taken again; the optimizer
         applies it as it is. ``None`` with ``retries=0`` (the optimizer decides).
+      grad_amax: each state group's largest gradient magnitude at its scale, of the
+        gradients returned with these statistics (over the state's groups; inf where one
+        is not finite): the optimizer checks that it is handed those gradients.
       fingerprint: the parameters the statistics were measured for (static).
+      origin: the state's groups and scaler they were measured with (static): another
+        optimizer state refuses them.
 
     >>> import adaloss_jax as alj
     >>> dense = alj.scale_group("d")(lambda p, x: x @ p["w"])
@@ -312,14 +337,16 @@ class ScaleStats:
     count: GroupVector | None = None
     hist: GroupVector | None = None
     verdict: dict | None = None
+    grad_amax: jax.Array | None = None
     fingerprint: str = _static(default="")
+    origin: tuple = _static(default=())
 
 
 jax.tree_util.register_dataclass(
     ScaleStats,
     data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist",
-                 "verdict"],
-    meta_fields=["fingerprint"],
+                 "verdict", "grad_amax"],
+    meta_fields=["fingerprint", "origin"],
 )
 
 

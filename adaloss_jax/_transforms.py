@@ -88,7 +88,8 @@ def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
 
     Args:
       pred: a bool scalar.
-      on_true / on_false: pytrees of the same structure.
+      on_true: a pytree, taken where ``pred`` holds.
+      on_false: a pytree of the same structure, taken where it does not.
 
     Returns:
       The selected pytree (each leaf through ``jnp.where``).
@@ -361,6 +362,66 @@ def scale_state(tree: Any) -> Any:
     return found[0]
 
 
+REVERSED_CHAIN = (
+    "the scaler's transformation is not first in the optimizer chain: {before} before "
+    "it see the scaled gradients, and it unscales their output instead of the gradients, "
+    "so every step is wrong (with the optimizer first, training stays stuck). Put the "
+    "scaler first: optax.chain(adaloss_jax.{unscale}(...), inner), or "
+    "adaloss_jax.{scaled}(inner, scaler)")
+
+
+ACCUMULATED_OUTSIDE = (
+    "optax.MultiSteps wraps the scaler's transformation: it would accumulate *scaled* "
+    "gradients of microbatches computed at different scales and unscale their mean at the "
+    "last one's (an overflow's inf would stay in its accumulator and skip every later "
+    "window). Put the accumulation inside the scaling: "
+    "adaloss_jax.{scaled}(optax.MultiSteps(inner, k).gradient_transformation(), scaler)")
+
+
+def training_state(tree: Any) -> Any:
+    """:func:`scale_state` for a training step: also an error when the scaler's
+    transformation is not the first of the chain that holds it (what a transformation
+    before it sees are the *scaled* gradients; ``optax.chain(inner, unscale)`` hands the
+    unscale ``inner``'s updates). A chain's state is a plain ``tuple``; the check looks at
+    the elements before the scaler's along its path (named containers are not chains).
+    An ``optax.MultiSteps`` around the scaler is refused too (docs: gradient
+    accumulation)."""
+    found = scale_state(tree)
+    kinds = (LossScaleState, _state.AdaptiveScaleState)
+    node = _plain(tree)
+    paths = [p for p, x in jax.tree_util.tree_flatten_with_path(
+        node, is_leaf=lambda x: isinstance(x, kinds))[0] if isinstance(x, kinds)]
+    adaptive = isinstance(found, _state.AdaptiveScaleState)
+    for key in paths[0] if paths else ():
+        if isinstance(node, optax.MultiStepsState):
+            raise ValueError(ACCUMULATED_OUTSIDE.format(
+                scaled="adaptive_scaled" if adaptive else "loss_scaled"))
+        if type(node) is tuple and isinstance(key, jax.tree_util.SequenceKey) and key.idx:
+            raise ValueError(REVERSED_CHAIN.format(
+                before=f"{key.idx} transformation(s) (states: {_state_names(node[:key.idx])})",
+                unscale="adaptive_unscale" if adaptive else "unscale",
+                scaled="adaptive_scaled" if adaptive else "loss_scaled"))
+        node = _child(node, key)
+    return found
+
+
+def _state_names(states: tuple) -> str:
+    named = lambda x: hasattr(x, "_fields") or dataclasses.is_dataclass(x)
+    nodes = jax.tree_util.tree_leaves(states, is_leaf=named)
+    names = list(dict.fromkeys(type(x).__name__ for x in nodes if named(x)))
+    return ", ".join(names[:4]) or "none"
+
+
+def _child(node: Any, key: Any) -> Any:
+    if isinstance(key, jax.tree_util.SequenceKey):
+        return node[key.idx]
+    if isinstance(key, jax.tree_util.DictKey):
+        return node[key.key]
+    if isinstance(key, jax.tree_util.GetAttrKey):
+        return getattr(node, key.name)
+    return node  # (flattened index keys: deeper nodes are not chains we can read)
+
+
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     """``fp32(loss) * loss_scale``: what to differentiate instead of the loss, for code
     that takes its own gradients (:func:`value_and_grad` does this for you).
@@ -413,7 +474,7 @@ def value_and_grad(
     """
 
     def wrapped(opt_state, *args, **kwargs):
-        state = scale_state(opt_state)
+        state = training_state(opt_state)
         if isinstance(state, _state.AdaptiveScaleState):
             raise TypeError(
                 "value_and_grad scales the loss by one global scale, and this optimizer "

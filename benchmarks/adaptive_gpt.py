@@ -193,7 +193,7 @@ def group_table(row) -> str:
     lines = [f"{'group':<28} {'log2 scale':>10} {'log2 unit amax':>15} overflowed"]
     for g in sorted(row["log2_group_scales"]):
         lines.append(f"{(g or '(root)'):<28} {row['log2_group_scales'][g]:>10.0f} "
-                     f"{row['log2_unit_amax'][g]:>15.1f} {row['overflowed'][g]}")
+                     f"{row['log2_unit_amax'][g] or '-':>15} {row['overflowed'][g]}")
     return "\n".join(lines)
 
 

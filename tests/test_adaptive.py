@@ -88,7 +88,7 @@ def test_fp32_model_exact_under_arbitrary_per_group_scales(name):
     different groups never meet unconverted (residuals, concat skips, tied embedding,
     reused block, attention q/k/v fan-in, recurrent cell)."""
     _, params, loss_fn, batch = _setup(name, jnp.float32)
-    scaler = alj.adaptive(groups="module")
+    scaler = alj.adaptive(compute_dtype="float16", groups="module")
     groups = alj.param_groups(params, scaler)
     rng = np.random.default_rng(3)
     log2 = {g: int(rng.integers(-8, 16)) for g in groups}
@@ -248,7 +248,7 @@ def test_update_rule_closed_form():
 
 def test_global_mode_has_one_group_and_matches_fp32():
     _, params, loss32, batch = _setup("resnet", jnp.float32)
-    scaler = alj.adaptive(groups="global")
+    scaler = alj.adaptive(compute_dtype="float16", groups="global")
     assert alj.param_groups(params, scaler) == [""]
     step, state = _grads_through(scaler, loss32, params, batch, {"": 7})
     got, new, stats = step(state, params, *batch)
@@ -267,7 +267,7 @@ def test_frozen_submodule_runs_at_parent_scale():
     frozen = {"block": params["block"]}
     trainable = {k: v for k, v in params.items() if k != "block"}
     loss = lambda p, x, y: loss32({**p, **frozen}, x, y)
-    scaler = alj.adaptive(groups="module")
+    scaler = alj.adaptive(compute_dtype="float16", groups="module")
     groups = alj.param_groups(trainable, scaler)
     assert not any(g.startswith("block") for g in groups) and len(groups) > 2
     log2 = {g: (i * 3) % 11 for i, g in enumerate(groups)}
@@ -279,7 +279,8 @@ def test_frozen_submodule_runs_at_parent_scale():
 
 def test_filter_rejecting_modules_keeps_gradients_exact():
     _, params, loss32, batch = _setup("resnet", jnp.float32)
-    scaler = alj.adaptive(filter=lambda path, module: len(path) <= 1, groups="module")
+    scaler = alj.adaptive(compute_dtype="float16",  # an fp32 model, scaled all the same
+                          filter=lambda path, module: len(path) <= 1, groups="module")
     groups = alj.param_groups(params, scaler)
     log2 = {g: (i * 5) % 13 for i, g in enumerate(groups)}
     step, state = _grads_through(scaler, loss32, params, batch, log2)
@@ -318,7 +319,7 @@ def test_bad_input_is_refused_clearly():
         alj.adaptive_unscale(alj.dynamic())
     # State built for another model.
     _, params, loss32, batch = _setup("mlp", jnp.float32)
-    scaler = alj.adaptive(groups="module")
+    scaler = alj.adaptive(groups="module", compute_dtype="float16")  # fp32, scaled
     tx = alj.adaptive_unscale(scaler)
     other_state = tx.init({"params": {"Elsewhere": {"w": jnp.zeros(2)}}})
     with pytest.raises(ValueError, match="another"):
@@ -364,7 +365,8 @@ def test_gradient_accumulation_with_multisteps():
     """optax.MultiSteps around the adaptive chain: micro-batch gradients are accumulated
     at fixed per-group scales and unscaled once; equals the fp32 mean gradient."""
     _, params, loss32, (x, y) = _setup("resnet", jnp.float32)
-    scaler = alj.adaptive(groups="module", max_rise=1000)  # applied at the chosen scales
+    scaler = alj.adaptive(compute_dtype="float16",  # an fp32 model, scaled all the same
+                          groups="module", max_rise=1000)  # applied at the chosen scales
     tx = optax.MultiSteps(
         optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0))), 2
     )
@@ -461,7 +463,7 @@ def test_a_nan_only_cotangent_in_a_large_fp32_tensor_skips_the_step():
 
     params = {"a": {"w": jnp.ones(())}, "b": {"w": jnp.ones(())}}
     x = jnp.ones((8, 128, 512)).at[3, 4, 5].set(0.0)
-    scaler = alj.adaptive(groups="module")
+    scaler = alj.adaptive(compute_dtype="float16", groups="module")
     tx = alj.adaptive_scaled(optax.sgd(0.1), scaler)
 
     @jax.jit
@@ -523,7 +525,7 @@ def test_each_call_of_a_module_has_its_own_statistics_slot():
         y1, y2 = model.apply({"params": p}, x, x)
         return jnp.sum(y1) * 1.0 + jnp.sum(y2) * 0.25
 
-    scaler = alj.adaptive(groups="module", retries=0)
+    scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0)
     state = alj.adaptive_unscale(scaler).init(params)
     _, _, stats = jax.jit(alj.adaptive_value_and_grad(loss_fn))(state, params)
     # Each call writes its own row: the amax is the max over the calls (the first call's
@@ -556,7 +558,7 @@ def test_parameter_free_modules_are_measured_in_their_group():
     def loss_fn(p):
         return jnp.sum(model.apply({"params": p}, x)) * 8.0
 
-    scaler = alj.adaptive(groups="module", retries=0)
+    scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0)
     state = alj.adaptive_unscale(scaler).init(params)
     _, _, stats = jax.jit(alj.adaptive_value_and_grad(loss_fn))(state, params)
     w = params["Dense_0"]["kernel"]

@@ -18,7 +18,7 @@ from jax.sharding import PartitionSpec as P
 import adaloss_jax as alj
 
 N = 8
-SCALER = alj.adaptive(groups="module")
+SCALER = alj.adaptive(groups="module", compute_dtype="float16")  # fp32 models scale too
 MODEL = MLP(dtype=jnp.float32)
 
 

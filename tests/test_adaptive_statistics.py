@@ -37,7 +37,7 @@ def _quantile_step(log2_scale: int):
     model = _Gain()
     x = jnp.ones((N,), jnp.float32)
     params = model.init(jax.random.key(0), x)["params"]
-    scaler = alj.adaptive(statistic="quantile", threshold=T, margin=MARGIN,
+    scaler = alj.adaptive(compute_dtype="float16", statistic="quantile", threshold=T, margin=MARGIN,
                           initial_scale=2.0**log2_scale, retries=0)  # one pass
     tx = alj.adaptive_unscale(scaler)
     state = tx.init(params)
@@ -130,7 +130,7 @@ def test_quantile_measured_at_the_group_scale():
 def test_quantile_statistic_keeps_fp32_gradients_exact(name):
     """Per-module scales drawn at random: the histogram channel changes no gradient."""
     _, params, loss_fn, batch = _setup(name, jnp.float32)
-    scaler = alj.adaptive(groups="module", statistic="quantile")
+    scaler = alj.adaptive(compute_dtype="float16", groups="module", statistic="quantile")
     groups = alj.param_groups(params, scaler)
     rng = np.random.default_rng(3)
     log2 = {g: int(rng.integers(-8, 16)) for g in groups}

@@ -161,8 +161,9 @@ def test_spmd_jit_sharded_batch_equals_single_device(mesh):
 
 @pytest.mark.parametrize("make_tx", [
     lambda axis: alj.loss_scaled(optax.sgd(0.1), POLICY, axis_name=axis),
-    lambda axis: alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module"),
-                                     axis_name=axis),
+    lambda axis: alj.adaptive_scaled(  # an fp32 model, scaled all the same
+        optax.sgd(0.1), alj.adaptive(groups="module", compute_dtype="float16"),
+        axis_name=axis),
 ], ids=["loss_scaled", "adaptive_scaled"])
 def test_state_of_full_parameters_accepts_their_shards(mesh, make_tx):
     """``tx.init`` on the full parameters, the step under ``shard_map`` with a parameter

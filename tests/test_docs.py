@@ -26,11 +26,33 @@ def _literal(node) -> str:
     return ""
 
 
+def _named(tree) -> dict[str, str]:
+    """A module's message constants: ``NAME = "..."`` at the top level, each ``{field}``
+    of a template as ``{}``."""
+    return {t.id: re.sub(r"\{\w*\}", "{}", n.value.value)
+            for n in tree.body if isinstance(n, ast.Assign)
+            and isinstance(n.value, ast.Constant) and isinstance(n.value.value, str)
+            for t in n.targets if isinstance(t, ast.Name) and t.id.isupper()}
+
+
+def _message(node, named: dict[str, str]) -> str:
+    """A message argument's text: a literal, or a named constant (``NAME`` or
+    ``NAME.format(...)``)."""
+    if isinstance(node, ast.Call) and getattr(node.func, "attr", "") == "format":
+        node = node.func.value
+    if isinstance(node, ast.Name):
+        return named.get(node.id, "")
+    return _literal(node)
+
+
 def messages() -> list[tuple[str, str]]:
-    """``(where, message)`` for every ``raise X(msg)`` and ``warn``/``notice_once`` call."""
+    """``(where, message)`` for every ``raise X(msg)`` and ``warn``/``notice_once`` call,
+    a message given by name included."""
     out = []
     for path in sorted((ROOT / "adaloss_jax").rglob("*.py")):
-        for node in ast.walk(ast.parse(path.read_text())):
+        tree = ast.parse(path.read_text())
+        named = _named(tree)
+        for node in ast.walk(tree):
             call = None
             if isinstance(node, ast.Raise) and isinstance(node.exc, ast.Call):
                 call = node.exc
@@ -39,8 +61,8 @@ def messages() -> list[tuple[str, str]]:
                 call = node
             if call is None or not call.args:
                 continue
-            text = _literal(call.args[-1] if getattr(call.func, "id", "") == "notice_once"
-                            else call.args[0])
+            text = _message(call.args[-1] if getattr(call.func, "id", "") == "notice_once"
+                            else call.args[0], named)
             if text:
                 out.append((f"{path.relative_to(ROOT)}:{node.lineno}", text))
     return out

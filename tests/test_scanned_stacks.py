@@ -27,7 +27,8 @@ from adaloss_jax.equinox import eqx_adaptive_value_and_grad
 from adaloss_jax.flax import nnx_adaptive_value_and_grad
 
 W = 8
-SCALER = alj.adaptive(groups="module", max_rise=1000)  # arbitrary scales: never skip
+SCALER = alj.adaptive(groups="module", max_rise=1000,  # arbitrary scales: never skip
+                      compute_dtype="float16")  # scale the fp32 twins too
 
 
 def _layer_fn(residual: bool):

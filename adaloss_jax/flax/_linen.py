@@ -59,7 +59,7 @@ class TrainState(train_state.TrainState):
         :func:`adaloss_jax.unscale`). Raises ``ValueError`` if no scaler state results."""
         state = super().create(apply_fn=apply_fn, params=params,
                                tx=scaled_tx(tx, scaler, axis_name), **kwargs)
-        _transforms.scale_state(state.opt_state)  # fail now if tx has no unscale()
+        _transforms.training_state(state.opt_state)  # fail now: no unscale(), or not first
         return state
 
     @property

@@ -49,7 +49,7 @@ def nnx_optimizer(
     4.0
     """
     optimizer = nnx.Optimizer(model, scaled_tx(tx, scaler, axis_name), wrt=wrt)
-    _transforms.scale_state(optimizer)  # fail now if tx has no unscale()
+    _transforms.training_state(optimizer)  # fail now: no unscale(), or not first
     return optimizer
 
 

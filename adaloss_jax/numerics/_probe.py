@@ -69,8 +69,10 @@ def loss_scale_of(scale: Any) -> jax.Array:
       An fp32 scalar.
 
     Raises:
-      TypeError / ValueError: for anything else (the state of an adaptive scaler with
-        several groups, each with a scale of its own, included), naming what it got.
+      TypeError: for anything else than a scale, a scaler state or an optimizer state
+        holding one, and for the state of an adaptive scaler with several groups (each
+        has a scale of its own), naming what it got.
+      ValueError: for an array that is not a scalar number.
 
     >>> float(loss_scale_of(2.0**10))
     1024.0
@@ -247,7 +249,8 @@ def make_probe(ref_fn: GradsFn, low_fn: GradsFn, *, fmt: Any = "float16") -> Pro
     ``jax.jit``.
 
     Args:
-      ref_fn / low_fn: ``(*args) -> ProbeGrads``.
+      ref_fn: the reference, ``(*args) -> ProbeGrads``.
+      low_fn: the low-precision run, ``(*args) -> ProbeGrads``.
       fmt: the format the low-precision gradients are stored in.
 
     Returns:
@@ -422,7 +425,8 @@ def linen_probe(
       ValueError: no ``fmt`` and no usable ``model.dtype``; no ``ref_model`` and no
         ``dtype`` field to override; (on call) empty ``params``, a batch that does not
         fit, a non-scalar loss.
-      TypeError / ValueError: ``fmt`` not a supported format.
+      TypeError: ``fmt`` is not a dtype.
+      ValueError: ``fmt`` is not a supported format.
 
     >>> import flax.linen as nn
     >>> model = nn.Dense(3, dtype=jnp.float16)

@@ -1,9 +1,14 @@
-"""Test set-up: 8 CPU devices for the sharding tests, seeded randomness."""
+"""Test set-up: 8 CPU devices for the sharding tests, quick compiles, seeded randomness,
+and which tests run in the full suite only."""
 
 import os
 
-# Must happen before jax initialises its backends.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
+# Must happen before jax initialises its backends. The tests compile hundreds of small
+# programs and run each a few steps: LLVM at -O0 (the HLO passes are unchanged, and so is
+# the arithmetic, fast-math being off) compiles them a third faster than the default -O2,
+# which brings the fast tier under 3 minutes on 2 cores. Subprocesses inherit it.
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
+                                   "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 import numpy as np  # noqa: E402
@@ -40,3 +45,68 @@ def _hypothesis_profiles():
 
 
 _hypothesis_profiles()
+
+
+# The fast tier's slowest tests (measured with --durations on 2 CPU cores), run in the
+# full suite only: each has a faster sibling in the fast tier that guards the same
+# contract (an mlp for a resnet, one front end for four, a fixed twin for a property
+# search, the global scaler's sharded run for the adaptive one's).
+FULL_SUITE_ONLY = {
+    "test_scanned_stacks.py::test_scanned_stack_equals_its_unrolled_twin_exactly_in_fp32",
+    "test_scanned_stacks.py::test_nn_scan_stack_gets_a_scale_per_layer_equal_to_its_python_loop_twin",
+    "test_scanned_stacks.py::test_a_stack_scanned_over_otherwise_keeps_one_scale",
+    "test_scanned_stacks.py::test_per_example_vmap_around_a_scanned_stack_measures_the_batched_loss",
+    "test_transformations.py::test_transformed_model_measures_what_its_untransformed_twin_measures",
+    "test_adaptive_distributed.py::test_typed_shard_map_devices_agree_and_equal_one_device[no-axis_name]",
+    "test_adaptive_distributed.py::test_spmd_jit_sharded_batch_equals_single_device",
+    "test_adaptive_distributed.py::test_untyped_shard_map_devices_agree_only_with_axis_name",
+    "test_no_host_sync.py::test_adaptive_step_has_no_host_round_trips",
+    "test_nnx_adaptive.py::test_fp32_exact_under_arbitrary_per_group_scales[amax-None]",
+    "test_nnx_adaptive.py::test_fp32_exact_under_arbitrary_per_group_scales[quantile-None]",
+    "test_bench.py::test_interrupted_bench_keeps_finished_runs",
+    "test_adaptive.py::test_no_step_is_applied_far_below_the_scale_its_statistics_call_for"
+    "[module-scanned_stack_shared-9.5367431640625e-07]",
+    "test_adaptive.py::test_no_step_is_applied_far_below_the_scale_its_statistics_call_for"
+    "[global-scanned_stack_shared-9.5367431640625e-07]",
+    "test_adaptive.py::test_no_step_is_applied_far_below_the_scale_its_statistics_call_for"
+    "[module-resnet-9.5367431640625e-07]",
+    "test_adaptive.py::test_no_step_is_applied_far_below_the_scale_its_statistics_call_for"
+    "[global-resnet-9.5367431640625e-07]",
+    "test_adaptive.py::test_tiny_loss_adaptive_at_least_halves_underflow_of_dynamic[resnet]",
+    "test_adaptive.py::test_fp32_model_exact_under_arbitrary_per_group_scales[resnet]",
+    "test_adaptive.py::test_check_mode_names_disagreeing_leaves",
+    "test_one_liner.py::test_state_statistics_or_gradients_of_another_model_are_refused",
+    "test_frontend_sharding.py::test_sharded_batch_gives_the_single_device_scales[linen]",
+    "test_frontend_sharding.py::test_sharded_batch_gives_the_single_device_scales[nnx]",
+    "test_frontend_sharding.py::test_sharded_batch_gives_the_single_device_scales[equinox]",
+    "test_orbax.py::test_checkpoint_manager_round_trip_resumes_bit_identically",
+    "test_numerics.py::test_taps_inside_an_adaptive_gradient_see_each_call_once",
+    "test_transforms.py::test_twin_run_matches_control_that_skips_explicitly",
+    "test_scanned_stacks.py::test_scanned_stack_scales_each_layer_like_its_unrolled_twin_in_fp16",
+    "test_adaptive.py::test_models_applied_to_sub_trees_of_the_parameters_get_their_own_groups",
+    "test_adaptive.py::test_simulated_e5m2_cotangents_scaled_beat_unscaled[global]",
+    "test_adaptive.py::test_module_called_inside_and_outside_lifted_transforms[global]",
+    "test_adaptive.py::test_fp32_model_exact_under_arbitrary_per_group_scales[recurrent_cell]",
+    "test_parity.py::test_real_gradients_same_scales_and_skips_as_flax[4]",
+    "test_transformations.py::test_per_example_vmap_at_batch_256_measures_the_batched_amax"
+    "[global]",
+    "test_misuse.py::test_an_adaptive_scaler_on_a_wide_model_turns_itself_off[float32]",
+    "test_misuse.py::test_gradients_not_those_of_the_statistics_raise_a_health_flag"
+    "[scaled down by 2**-20]",
+    "test_distributed.py::test_state_of_full_parameters_accepts_their_shards[adaptive_scaled]",
+    "test_bench.py::test_fp8_peers_refuse_a_model_without_fp8_layers[fp8-flax]",
+    "test_transformations.py::test_fp32_gradients_exact_under_arbitrary_per_group_scales",
+    "test_flax_free_core.py::test_core_imports_and_trains_without_flax",
+}
+
+
+@pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects by marker
+def pytest_collection_modifyitems(config, items):
+    ids = {item.nodeid.removeprefix("tests/") for item in items}
+    for item in items:
+        if item.nodeid.removeprefix("tests/") in FULL_SUITE_ONLY:
+            item.add_marker(pytest.mark.slow)
+    whole_suite = not config.option.file_or_dir and not config.getoption("keyword")
+    stale = FULL_SUITE_ONLY - ids if whole_suite else set()
+    if stale:  # a renamed test: keep the list true
+        raise pytest.UsageError(f"FULL_SUITE_ONLY names tests that do not exist: {stale}")

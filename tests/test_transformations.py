@@ -41,6 +41,12 @@ INSIDE = ("none", "remat", "jit", "cond", "vmap")
 FRONT_ENDS = ("jax", "equinox", "linen", "nnx")
 
 
+def _always(x):
+    """A predicate ``cond`` cannot fold away, true for any finite input (summed in fp32:
+    ``-1e9`` does not fit an fp16 value)."""
+    return jnp.sum(jnp.asarray(x, jnp.float32)) > -1e9
+
+
 def _x(dtype):
     return jnp.asarray(np.random.default_rng(0).normal(size=(B, D)), dtype)
 
@@ -66,7 +72,7 @@ def _around(kind, model_fn):
         return jax.shard_map(model_fn, mesh=_mesh(), in_specs=P("data"), out_specs=P("data"),
                              check_vma=kind == "shard_map")
     assert kind == "cond"
-    return lambda x: jax.lax.cond(jnp.sum(x) > -1e9, model_fn, lambda x: model_fn(x * 0.5), x)
+    return lambda x: jax.lax.cond(_always(x), model_fn, lambda x: model_fn(x * 0.5), x)
 
 
 def _inside(kind, call):
@@ -79,7 +85,7 @@ def _inside(kind, call):
         return jax.checkpoint(call)
     if kind == "jit":
         return jax.jit(call)
-    return lambda h: jax.lax.cond(jnp.sum(h) > -1e9, call, lambda h: call(h * 0.5), h)
+    return lambda h: jax.lax.cond(_always(h), call, lambda h: call(h * 0.5), h)
 
 
 def _nnx_around(kind, model, x):
@@ -101,7 +107,7 @@ def _nnx_around(kind, model, x):
 
         return nnx.shard_map(call, mesh=_mesh(), in_specs=(P(), P("data")), out_specs=P("data"),
                              check_vma=kind == "shard_map")(model, x)
-    return nnx.cond(jnp.sum(x) > -1e9, call, lambda m, x: m(x * 0.5), model, x)
+    return nnx.cond(_always(x), call, lambda m, x: m(x * 0.5), model, x)
 
 
 # --------------------------------------------------------------------------- front ends
@@ -168,7 +174,7 @@ def _linen_model(inside, dtype):
             for i in range(L):
                 if inside == "cond":
                     layer = Layer(name=f"Layer_{i}")
-                    h = nn.cond(jnp.sum(h) > -1e9, lambda m, h: m(h),
+                    h = nn.cond(_always(h), lambda m, h: m(h),
                                 lambda m, h: m(h * 0.5), layer, h)
                 elif inside == "vmap":
                     h = lift(Layer)(name=f"Layer_{i}")(h[:, None])[:, 0]
@@ -200,7 +206,7 @@ def _nnx_model(inside, dtype):
             h = x
             for layer in self.layers:
                 if inside == "cond":
-                    h = nnx.cond(jnp.sum(h) > -1e9, lambda m, h: m(h),
+                    h = nnx.cond(_always(h), lambda m, h: m(h),
                                  lambda m, h: m(h * 0.5), layer, h)
                 else:
                     h = lift(lambda m, h: m(h))(layer, h)
@@ -336,7 +342,8 @@ def test_fp32_gradients_exact_under_arbitrary_per_group_scales(front_end, around
                                                                  seed):
     """Through the whole optimizer: ``adaptive_unscale`` unscales each leaf by the scale
     its group ran at (sgd(-1) hands the unscaled gradients out as the updates)."""
-    scaler = alj.adaptive(groups="module", max_rise=1000)  # applied at the drawn scales
+    scaler = alj.adaptive(compute_dtype="float16",  # fp32 models, scaled all the same
+                          groups="module", max_rise=1000)  # applied at the drawn scales
     case = build(front_end, around, inside, jnp.float32, scaler)
     rng = np.random.default_rng(seed)
     log2 = {g: int(rng.integers(-8, 16)) for g in case.state.groups}
@@ -394,12 +401,13 @@ def test_scanned_stack_equals_its_unrolled_twin():
     statistics; in fp32 under arbitrary scales, exact gradients both ways."""
     x = _x(jnp.float32)
     params, scanned, unrolled = scan_twins(jnp.float16)
-    glob = alj.adaptive(groups="global", retries=0)  # one pass at the scales chosen here
+    glob = alj.adaptive(compute_dtype="float16",  # scaled whatever the inputs' dtype
+                        groups="global", retries=0)  # one pass at the scales chosen here
     state = alj.adaptive_unscale(glob).init(params).with_log2_scales({"": 12})
     run = lambda f: jax.jit(alj.adaptive_value_and_grad(f))(state, params, x)
     assert_same_measurements(run(scanned), run(unrolled), "scan")
     params, scanned, unrolled = scan_twins(jnp.float32)
-    module = alj.adaptive(groups="module", retries=0)
+    module = alj.adaptive(compute_dtype="float16", groups="module", retries=0)
     state = alj.adaptive_unscale(module).init(params)
     # The stack's own scale (unrolled) and its slots, a scale per layer (scanned).
     state = state.with_log2_scales({"": 9, **{g: -5 for g in state.groups if "stack" in g}})

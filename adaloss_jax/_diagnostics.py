@@ -10,7 +10,7 @@ from typing import Any
 
 import jax
 
-from adaloss_jax import _transforms, _tree
+from adaloss_jax import _policies, _transforms, _tree
 from adaloss_jax._state import (
     HEALTH_FOREIGN_GRADS,
     HEALTH_NOTHING_MEASURED,
@@ -210,5 +210,6 @@ def check_health(tree: Any, *, warn: bool = True) -> list[str]:
         for m in msgs:
             if m not in _WARNED:
                 _WARNED.add(m)
-                warnings.warn(f"adaloss_jax: {m}", RuntimeWarning, stacklevel=2)
+                warnings.warn(f"adaloss_jax: {m}", RuntimeWarning,
+                              stacklevel=_policies.user_stacklevel())
     return msgs

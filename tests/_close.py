@@ -4,14 +4,15 @@ graph is a different XLA program, whose fusions may sum the same terms in anothe
 the reference by fp32 rounding of its largest terms: a few ulps of the leaf's largest
 magnitude, not of each element (an element that is a near-cancelled sum of larger terms
 keeps their absolute error), and never below ``atol`` (a leaf whose exact gradient is zero,
-such as a conv bias before BatchNorm, is rounding noise of its terms). A wrong scale on
-any contribution is a factor of two or more, far outside this."""
+such as a conv bias before BatchNorm, is rounding noise of its terms: up to 1.04e-7 was
+seen with the tests' LLVM -O0, whose loops sum in another order than -O2's). A wrong
+scale on any contribution is a factor of two or more, far outside this."""
 
 import jax
 import numpy as np
 
 
-def assert_fp32_trees_close(got, ref, rtol: float = 2e-5, atol: float = 1e-7,
+def assert_fp32_trees_close(got, ref, rtol: float = 2e-5, atol: float = 4e-7,
                             ulps_of_max: float = 64.0) -> None:
     got_leaves, ref_leaves = jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)
     assert len(got_leaves) == len(ref_leaves)

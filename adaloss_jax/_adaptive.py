@@ -353,8 +353,10 @@ def adaptive_value_and_grad(
             (loss, aux), grads, stats = _until_applied(attempt, state)
         else:
             (loss, aux), grads, stats = attempt(state.log2_scales)
-        _, grad_amax = _unscale(grads, stats, scaler, state)
-        stats = dataclasses.replace(stats, fingerprint=fingerprint(params), grad_amax=grad_amax,
+        if stats.grad_amax is None:  # (the retry loop measured it for its verdict)
+            stats = dataclasses.replace(stats, grad_amax=_unscale(grads, stats, scaler,
+                                                                  state)[1])
+        stats = dataclasses.replace(stats, fingerprint=fingerprint(params),
                                     origin=(state.groups, scaler))
         return ((loss, aux) if has_aux else loss), grads, stats
 
@@ -417,18 +419,23 @@ def _until_applied(attempt: Callable, state: AdaptiveScaleState):
         return jax.tree_util.tree_unflatten(
             layout["treedef"], [next(it) if k else next(other) for k in layout["kept"]])
 
+    def judged(prior: AdaptiveScaleState):
+        """A pass at ``prior``'s scales (its statistics holding their gradients' amax,
+        measured once for the rule and the optimizer's check) and the rule's verdict."""
+        value, grads, stats = attempt(prior.log2_scales)
+        verdict, grad_amax = _verdict(prior, grads, stats, value[0], axis_name)
+        return (value, grads, dataclasses.replace(stats, grad_amax=grad_amax)), verdict
+
     def body(carry):
         k, _, prior, _, _ = carry
-        out = attempt(prior.log2_scales)
-        (loss, _), grads, stats = out
-        verdict = _verdict(prior, grads, stats, loss, axis_name)
+        out, verdict = judged(prior)
         moved = jnp.any(verdict.log2_scales.array != prior.log2_scales.array)
         done = verdict.base.last_applied | ~moved | (k >= scaler.retries)
         # A retry runs at the verdict's scales, counters untouched (no step was taken).
         nxt = prior.replace(**{f: getattr(verdict, f) for f in RETRIED})
         return k + 1, done, nxt, verdict, arrays(out)
 
-    shapes = jax.eval_shape(lambda sc: arrays(attempt(sc)), state.log2_scales)
+    shapes = jax.eval_shape(lambda st: arrays(judged(st)[0]), state)
     init = (jnp.int32(0), jnp.asarray(False), state, state,
             [jnp.zeros(x.shape, x.dtype) for x in shapes])
     if in_shard_map():  # inside shard_map: the carry's types must be a fixed point
@@ -618,10 +625,11 @@ def _foreign(received: jax.Array, measured: jax.Array, axis_name: str | None) ->
 
 
 def _verdict(state: AdaptiveScaleState, grads, stats: ScaleStats, loss,
-             axis_name) -> AdaptiveScaleState:
-    """The rule's next state for one pass (its gradients and statistics)."""
+             axis_name) -> tuple[AdaptiveScaleState, jax.Array]:
+    """The rule's next state for one pass (its gradients and statistics), and each state
+    group's largest gradient magnitude at its scale on this device."""
     _, p_amax = _unscale(grads, stats, state.scaler, state)
-    return _rule.adjust(state, _measured(state, stats, p_amax, loss, axis_name))
+    return _rule.adjust(state, _measured(state, stats, p_amax, loss, axis_name)), p_amax
 
 
 def _reduce(x, op, axis_name):
@@ -711,7 +719,7 @@ def adaptive_unscale(
         del params, extra
         _check_update(state, scaler, updates, scale_stats)
         if scale_stats.verdict is None:
-            state = _verdict(state, updates, scale_stats, loss, axis_name)
+            state, _ = _verdict(state, updates, scale_stats, loss, axis_name)
         else:  # decided inside the gradient function, after its retries
             verdict = dict(scale_stats.verdict)
             retries = _reduce(verdict.pop("retries"), jax.lax.pmax, axis_name)

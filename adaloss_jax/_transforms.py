@@ -402,6 +402,8 @@ def training_state(tree: Any) -> Any:
                 unscale="adaptive_unscale" if adaptive else "unscale",
                 scaled="adaptive_scaled" if adaptive else "loss_scaled"))
         node = _child(node, key)
+        if node is None:  # a container whose children the check cannot read: no chain
+            break
     return found
 
 
@@ -419,7 +421,7 @@ def _child(node: Any, key: Any) -> Any:
         return node[key.key]
     if isinstance(key, jax.tree_util.GetAttrKey):
         return getattr(node, key.name)
-    return node  # (flattened index keys: deeper nodes are not chains we can read)
+    return None
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:

@@ -4,8 +4,8 @@ graph is a different XLA program, whose fusions may sum the same terms in anothe
 the reference by fp32 rounding of its largest terms: a few ulps of the leaf's largest
 magnitude, not of each element (an element that is a near-cancelled sum of larger terms
 keeps their absolute error), and never below ``atol`` (a leaf whose exact gradient is zero,
-such as a conv bias before BatchNorm, is rounding noise of its terms: up to 1.04e-7 was
-seen with the tests' LLVM -O0, whose loops sum in another order than -O2's). A wrong
+such as a conv bias before BatchNorm, is rounding noise of its terms, which the tests'
+LLVM -O0 sums in another order than -O2 does). A wrong
 scale on any contribution is a factor of two or more, far outside this."""
 
 import jax

@@ -269,6 +269,20 @@ def test_an_adaptive_scaler_on_a_wide_model_turns_itself_off(dtype):
     assert set(alj.scale_summary(state)["log2_group_scales"].values()) == {0.0}
 
 
+def test_compute_dtype_decides_over_what_the_trace_shows():
+    """``compute_dtype`` as ``dynamic()``'s: bf16 turns scaling off on an fp16 model too
+    (step 0 applied at scale 1, nothing retried); float16 keeps it on (step 0 retried)."""
+    for compute_dtype, on in (("bfloat16", False), ("float16", True)):
+        tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module",
+                                                              compute_dtype=compute_dtype))
+        _, state = _step(tx)(PARAMS, tx.init(PARAMS))
+        st = alj.scale_state(state)
+        assert bool(st.last_applied)
+        assert (int(st.total_retries) > 0) == on
+        assert (max(alj.scale_summary(state)["log2_group_scales"].values()) > 0) == on
+    assert alj.adaptive(compute_dtype=jnp.bfloat16) == alj.adaptive(compute_dtype="bfloat16")
+
+
 # ----------------------------------------------- 12: a scale_group above nested parameters
 
 

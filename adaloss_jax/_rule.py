@@ -94,7 +94,9 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
         regime, never against a peak measured before the overflow):
         h_k     = max(h_k, floor(log2 u_max - margin - log2 A_k) - c_k + d);  c_k = inf
                   # d = max(1, log2(factor) // 2): these statistics never ask for c_k
-                  again, but for halfway between it and the scale k backed off to
+                  again, but for halfway between it and the scale k backed off to;
+                  where they ask for at most c_k - d by themselves, they explain the
+                  overflow: nothing is learned and c_k stays (it caps blind jumps)
         h_k     = max(h_k - 1/256, 0)   on an applied step, for each measured group
                   (a learned binade is given back after 256 applied steps)
         s_k     = clip(s_k, log2 min_loss_scale, log2 max_loss_scale)
@@ -156,7 +158,10 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     learned = jnp.floor(log2_max - cfg.margin - unit) - ceiling + max(1, cfg.backoff // 2)
     room = jnp.where(seen & (used < ceiling), jnp.maximum(state.headroom.array, learned),
                      state.headroom.array)
-    ceiling = jnp.where(seen, jnp.inf, ceiling)
+    # Statistics that ask for less than the ceiling by themselves explain the overflow
+    # (the group was above them): nothing to learn, and the ceiling stays, so a blind
+    # jump lifted by the global floor cannot return to it.
+    ceiling = jnp.where(seen & ((used >= ceiling) | (learned > 0)), jnp.inf, ceiling)
 
     target = stat_t - jnp.ceil(room)
     if m.sumsq is not None:

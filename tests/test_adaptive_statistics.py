@@ -125,6 +125,51 @@ def test_quantile_measured_at_the_group_scale():
     assert float(got) == _reference(c, 5)[0]
 
 
+@functools.cache
+def _gaussian_stats():
+    """Pure JAX, three groups in a chain (``ga`` -> ``gb`` -> the root), fp32 compute
+    scaled as fp16 (exact), statistic="gaussian": a jitted function from a state with
+    chosen scales to the step's statistics."""
+    ga = alj.scale_group("ga")(lambda w, x: jnp.tanh(x * w["w"]))
+    gb = alj.scale_group("gb")(lambda w, x: x @ w["w"])
+    params = {"ga": {"w": jax.random.normal(jax.random.key(0), (8,))},
+              "gb": {"w": jax.random.normal(jax.random.key(1), (8, 4))}}
+    x = jax.random.normal(jax.random.key(2), (16, 8))
+
+    def loss(p, x):
+        return jnp.sum(jnp.sin(gb(p["gb"], ga(p["ga"], x)))) * 2.0**-6
+
+    tx = alj.adaptive_unscale(alj.adaptive(groups="module", statistic="gaussian",
+                                           compute_dtype="float16", retries=0))
+    state = tx.init(params)
+
+    @jax.jit
+    def stats(log2):
+        s = state.with_log2_scales(dict(zip(("", "ga", "gb"), log2)))
+        return alj.adaptive_value_and_grad(loss)(s, params, x)[2]
+
+    return stats
+
+
+def test_gaussian_statistics_are_each_groups_own_at_its_own_scale():
+    """Each group's sum of squares (and amax) is measured at that group's own scale,
+    whatever the neighbours' scales: scales (0, 0, 0) -> (3, -4, 7) multiply group g's
+    sum of squares by exactly ``4**s_g`` (its amax by ``2**s_g``) and leave its count."""
+    stats = _gaussian_stats()
+    base = stats((0, 0, 0))
+    scales = {"": 3, "ga": -4, "gb": 7}
+    moved = stats(tuple(scales.values()))
+    for g, s in scales.items():
+        assert float(base.count[g]) > 0 and float(base.sumsq[g]) > 0, g
+        assert float(moved.count[g]) == float(base.count[g]), g
+        assert float(moved.sumsq[g]) == pytest.approx(float(base.sumsq[g]) * 4.0**s,
+                                                      rel=1e-6), g
+        assert float(moved.amax[g]) == pytest.approx(float(base.amax[g]) * 2.0**s,
+                                                     rel=1e-6), g
+    # The groups do measure different cotangents (a mix-up between them would show).
+    assert len({round(float(base.sumsq[g]), 6) for g in scales}) == 3
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["gpt_tied_reused_attention"])
 def test_quantile_statistic_keeps_fp32_gradients_exact(name):

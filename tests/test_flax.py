@@ -122,6 +122,38 @@ def test_linen_train_step_adaptive_per_module():
     assert any(float(v) != 0 for v in alj.scale_state(state.opt_state).log2_scales.values())
 
 
+def linen_loss_times(params, apply_fn, x, y, factor):
+    return linen_loss(params, apply_fn, x, y, False) * factor
+
+
+@jax.jit
+def linen_step_times(state, x, y, factor):
+    return train_step(state, linen_loss_times, state.apply_fn, x, y, factor)
+
+
+@pytest.mark.parametrize("family", ["dynamic", "adaptive"])
+def test_linen_train_step_tells_a_nonfinite_loss_from_a_gradient_overflow(family):
+    """train_step hands the loss to the update: an inf loss (a forward overflow, which
+    no scale can fix) skips the step, counts in ``total_nonfinite_loss`` and moves no
+    scale; a gradient overflow would have backed the scale off."""
+    model = MLP()
+    xs, ys = batches()
+    params = model.init(jax.random.key(0), xs[0], False)["params"]
+    scaler = (alj.dynamic(initial_scale=INITIAL, period=2) if family == "dynamic"
+              else alj.adaptive(groups="module"))
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.1),
+                              scaler=scaler)
+    state, metrics = linen_step_times(state, xs[0], ys[0], jnp.float32(1.0))
+    assert bool(metrics["applied"])
+    scales = lambda s: alj.scale_summary(s)["log2_group_scales"]
+    before = scales(state)
+    state, metrics = linen_step_times(state, xs[1], ys[1], jnp.float32(jnp.inf))
+    assert not bool(metrics["applied"])
+    st = state.loss_scale_state
+    assert (int(st.total_skipped), int(st.total_nonfinite_loss)) == (1, 1)
+    assert scales(state) == before
+
+
 def test_linen_create_without_unscale_is_refused():
     model = MLP()
     params = model.init(jax.random.key(0), jnp.zeros((1, 4)), False)["params"]

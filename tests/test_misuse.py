@@ -91,6 +91,27 @@ def test_the_scaler_first_in_a_chain_of_chains_is_accepted():
     _step(tx)(PARAMS, tx.init(PARAMS))
 
 
+class _Opaque:
+    """A pytree container whose children have no keys (``register_pytree_node``)."""
+
+    def __init__(self, inner):
+        self.inner = inner
+
+
+jax.tree_util.register_pytree_node(_Opaque, lambda b: ((b.inner,), None),
+                                   lambda _, c: _Opaque(c[0]))
+
+
+def test_a_scaler_inside_a_container_the_check_cannot_read_is_still_found():
+    """The chain-order check stops at a container whose children it cannot name; the
+    scaler's state inside it is still used (no false error, no lost state)."""
+    tx = alj.adaptive_scaled(optax.sgd(0.1), MODULE)
+    boxed = _Opaque(tx.init(PARAMS))
+    assert alj.scale_state(boxed) is not None
+    loss, grads, stats = jax.jit(alj.adaptive_value_and_grad(loss_fn))(boxed, PARAMS, X)
+    assert np.isfinite(float(loss)) and set(stats.amax) == {"", "mis_d", "mis_h"}
+
+
 def test_a_reversed_chain_fails_where_a_flax_train_state_is_built():
     from adaloss_jax.flax import TrainState
 
@@ -123,10 +144,16 @@ FOREIGN = {
 }
 
 
+@pytest.mark.parametrize("retries", [4, 0])
 @pytest.mark.parametrize("case", sorted(FOREIGN))
-def test_gradients_not_those_of_the_statistics_raise_a_health_flag(case):
-    tx = alj.adaptive_scaled(optax.sgd(0.1), MODULE)
-    _, state = _step(tx, FOREIGN[case])(PARAMS, tx.init(PARAMS))
+def test_gradients_not_those_of_the_statistics_raise_a_health_flag(case, retries):
+    """With the retry loop (which measures the gradients' amax for its verdict) and
+    without it (the gradient function measures it after its one pass); a first step
+    sets the scales (at scale 1, plain gradients would be the scaled ones)."""
+    tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module", retries=retries))
+    params, state = _step(tx)(PARAMS, tx.init(PARAMS))
+    assert not int(alj.scale_state(state).health) & HEALTH_FOREIGN_GRADS
+    _, state = _step(tx, FOREIGN[case])(params, state)
     assert int(alj.scale_state(state).health) & HEALTH_FOREIGN_GRADS
     with pytest.warns(RuntimeWarning, match="not the ones its scale_stats were measured"):
         problems = alj.check_health(state)
@@ -177,7 +204,9 @@ def test_gradients_averaged_over_devices_inside_shard_map_raise_no_flag(mesh):
 
 def test_a_state_of_another_width_is_refused_before_optax_sees_it():
     tx = alj.adaptive_scaled(optax.sgd(0.1), MODULE)
-    with pytest.raises(ValueError, match="have other shapes than the parameters"):
+    with pytest.raises(ValueError, match=r"^the parameters have other shapes than the "
+                       r"parameters this optimizer state was built for .*; pass the optimizer "
+                       r"state built by tx.init for these parameters"):
         _step(tx)(PARAMS, tx.init(params_of(16)))
 
 
@@ -185,7 +214,9 @@ def test_a_state_of_another_width_is_refused_by_the_global_optimizer_too():
     tx = alj.loss_scaled(optax.sgd(0.1), alj.dynamic())
     wide = params_of(16)
     loss, grads, stats = alj.value_and_grad(loss_fn)(tx.init(wide), PARAMS, X)
-    with pytest.raises(ValueError, match="have other shapes than the parameters"):
+    with pytest.raises(ValueError, match=r"^the gradients have other shapes than the "
+                       r"parameters .*; pass the gradients of the parameters tx.init was "
+                       r"called with, or re-run tx.init\(params\) for this model"):
         tx.update(grads, tx.init(wide), PARAMS, loss=loss, scale_stats=stats)
 
 

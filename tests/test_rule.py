@@ -236,6 +236,55 @@ def test_a_group_that_measured_nothing_does_not_stop_the_step():
     assert _scales(new)[2] > 10.0  # the blind jump
 
 
+def test_a_group_that_measured_nothing_does_not_stop_the_step_by_default():
+    """The same under the default options: the group's blind jump (far more than
+    ``max_rise``) is no rise of a measured group, so the step applies."""
+    settled = math.floor(LOG2_MAX - 4 + 12.0)
+    state = _state(scales=(settled,) * 3)
+    new = adjust(state, _measured(state, [-12.0, -12.0, None]))
+    assert bool(new.last_applied)
+    assert _scales(new)[:2] == [settled] * 2
+    assert _scales(new)[2] > settled + state.scaler.max_rise
+
+
+def test_each_branch_under_the_default_options():
+    """One walk through the rule with every option at its default (``groups="module"``:
+    decay 1/16, factor 16, max_rise 5, margin 4, fp16): settled, an overflow (blamed
+    and hidden groups back off at once), the headroom learned from it, a forward
+    overflow, a group that measures nothing, a held peak that sinks."""
+    t = math.floor(LOG2_MAX - 4 + 12.0)
+    state = _state(scales=(t, t, t))
+    assert state.scaler.max_rise == 5 and state.scaler.decay == 1 / 16
+    settled = adjust(state, _measured(state, [-12.0, -12.0, -12.0]))
+    assert _scales(settled) == [t] * 3 and bool(settled.last_applied)
+    # a overflows at t; b only received non-finite values: both back off 4 binades.
+    over = adjust(settled, _measured(settled, [-12.0, np.inf, np.inf],
+                                     bad=(False, True, False)))
+    assert _scales(over) == [t, t - 4, t - 4] and not bool(over.last_applied)
+    assert float(over.ceiling["a"]) == t and float(over.ceiling["b"]) == np.inf
+    assert int(over.notfinite_count) == 1
+    # The same statistics again: a learns 2 binades of headroom (halfway back to its
+    # ceiling), b returns to t; the rises (2, 4) are within max_rise: applied.
+    back = adjust(over, _measured(over, [-12.0, -12.0, -12.0]))
+    assert _scales(back) == [t, t - 2, t] and bool(back.last_applied)
+    assert float(back.headroom["a"]) == 2.0 - 1 / 256
+    # A forward overflow (the loss not finite): nothing moves, the loss is counted.
+    fwd = adjust(back, _measured(back, [-12.0, -12.0, -12.0], loss_finite=False))
+    assert _scales(fwd) == _scales(back) and not bool(fwd.last_applied)
+    assert (int(fwd.total_nonfinite_loss), float(fwd.headroom["a"])) == (1, 2.0 - 1 / 256)
+    # b measures nothing (all flushed): it jumps blind, and the step still applies.
+    blind = adjust(fwd, _measured(fwd, [-12.0, -12.0, None]))
+    assert _scales(blind)[2] == t + math.floor(LOG2_MAX - 4 + 24 - 1)
+    assert bool(blind.last_applied)
+    # The held peak sinks by 1/16 a binade a step: a lower amax moves the scale up
+    # only as the peak sinks, a higher one moves it down at once.
+    low = _settled(blind.with_log2_scales(dict(zip(GROUPS, [t] * 3))),
+                   [-12.0, -12.0 - 3, -12.0], steps=16)
+    assert float(low.log2_amax["a"]) == pytest.approx(-13.0)
+    high = adjust(low, _measured(low, [-12.0, -9.0, -12.0]))
+    assert _scales(high)[1] == math.floor(LOG2_MAX - 4 + 9.0) - 2  # headroom kept
+
+
 # ----------------------------------------------------------------- the rule cannot cycle
 #
 # A hidden model of a backward pass: groups in backward order (the root first), each with
@@ -346,6 +395,31 @@ def test_from_any_state_the_rule_applies_a_step_soon_and_never_returns_to_an_ove
         worst = max(worst, since)
         assert since <= bound, (since, a, g, margin)
         assert np.all(np.isfinite(np.asarray(state.log2_scales.array)))
+
+
+def test_a_blind_jump_lifted_by_the_floor_does_not_return_to_an_overflow():
+    """Found by the property test above (e4m3): group ``a`` overflowed at 36, above what
+    its statistics ask for (33); its next finite statistics explain the overflow, so it
+    learns no headroom, but its ceiling must stay: when it later measures nothing, the
+    global floor (36, from the root) lifts its blind jump, which the ceiling caps."""
+    fmt = "float8_e4m3fn"
+    groups = ("", "a", "b", "c")
+    scaler = alj.adaptive(groups="module", grad_dtype=fmt, simulate=True)
+    state = alj.adaptive_unscale(scaler).init({k: {"w": jnp.zeros(3)} for k in groups if k})
+    vec = type(state.log2_scales)
+    state = state.with_log2_scales(dict(zip(groups, [30, 28, -15, 26]))).replace(
+        headroom=vec(groups, jnp.asarray([0.0, 0.0, 4.0, 2.0])),
+        ceiling=vec(groups, jnp.asarray([34.0, 36.0, np.inf, 46.0])),
+        log2_amax=vec(groups, jnp.asarray([-np.inf, 4.0, -np.inf, -np.inf])))
+    a, g = [-30, -27, -7, -10], [7, 7, 4, 2]
+    adjust_ = _adjust_for(fmt)
+    state = adjust_(state, _simulated(state, a, g, fmt))  # a finite again, at 28
+    assert float(state.ceiling["a"]) == 36.0 and float(state.headroom["a"]) == 0.0
+    # Everything of a (and of b and c) flushes; the root measures at 28.
+    state = state.with_log2_scales(dict(zip(groups, [28, -2, -9, -24])))
+    state = adjust_(state, _simulated(state, a, g, fmt))
+    assert _scales(state)[1] < 36.0
+    assert _scales(state)[1] == math.floor((-2 + 36) / 2)  # halfway to the ceiling
 
 
 def _run(state, a, g, fmt, steps):

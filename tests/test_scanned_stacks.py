@@ -115,12 +115,25 @@ def test_scanned_stack_equals_its_unrolled_twin_exactly_in_fp32(depth, residual,
     """Under arbitrary scales per layer (fp32 compute: every conversion exact), the
     scanned stack measures what its unrolled twin measures, group by group and layer by
     layer, and both unscale to the gradient of the unscaled loss."""
+    log2 = data.draw(st.lists(st.integers(-8, 15), min_size=depth + 3, max_size=depth + 3))
+    _check_twin(depth, residual, reverse, emit, remat, log2)
+
+
+@pytest.mark.parametrize("reverse,residual,emit", [(True, True, False), (True, False, True),
+                                                   (False, True, True)])
+def test_scanned_stack_equals_its_unrolled_twin_fixed_examples(reverse, residual, emit):
+    """The property above on fixed cases a user relies on, so a break fails on every run:
+    a ``reverse=True`` scan (walked last layer first), a residual stack, a scan whose
+    every layer's output also reaches the loss; the scales differ by layer."""
+    _check_twin(3, residual, reverse, emit, False, [0, 3, -2, 9, 1, 5])
+
+
+def _check_twin(depth, residual, reverse, emit, remat, log2):
     (tx, scanned), (_, unrolled), grad = _losses(depth, residual, reverse, emit, jnp.float32,
                                                  remat)
     p = _params(depth)
     pu = _unrolled_params(p)
     x = jax.random.normal(jax.random.key(1), (4, W))
-    log2 = data.draw(st.lists(st.integers(-8, 15), min_size=depth + 3, max_size=depth + 3))
     ours = {"": log2[0], "inp": log2[1], "head": log2[2]}
     s_scan = tx.init(p).with_log2_scales(
         {**ours, **{f"stack[{i}]": log2[3 + i] for i in range(depth)}})

@@ -1,0 +1,184 @@
+"""A mutation score measured by a tool (issue 31): mutmut's mutants of the core and the
+front ends, a seeded random sample of them, each run against the fast tier's tests.
+
+``benchmarks/mutations.py`` keeps the hand-written breaks; this script asks a tool for
+breaks nobody planned. mutmut (pinned: its mutant names and options are read here)
+generates every mutant of the files ``[tool.mutmut] only_mutate`` names in
+``pyproject.toml``; the script draws ``--sample`` of them with ``random.Random(--seed)``,
+runs them with ``mutmut run NAME ...`` (each mutant against the fast-tier tests that
+reach its function, ``-x``), and prints the score: killed / (sampled - equivalent).
+Mutants argued equivalent (no input can tell them from the original) are listed in
+:data:`EQUIVALENT` with a line each; the diff is checked, so a stale entry is reported
+rather than silently counted.
+
+Usage (from the repository root; 2 CPU cores: the first run collects which tests reach
+which function, about ten minutes, then roughly a minute per mutant)::
+
+    pip install mutmut==3.8.1
+    python benchmarks/mutation_score.py                 # seed 31, 100 mutants
+    python benchmarks/mutation_score.py --survivors     # after adding tests: rerun the rest
+    python benchmarks/mutation_score.py --list          # the sample's names, no run
+    python benchmarks/mutation_score.py --show NAME     # one mutant's diff
+
+mutmut works in ``mutants/`` (ignored by git); delete it after changing the package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import random
+import subprocess
+import sys
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SEED = 31
+SAMPLE = 100
+
+# name: (a line of the mutant's diff, why no test can tell it from the original)
+EQUIVALENT: dict[str, tuple[str, str]] = {
+    "adaloss_jax._apply.x__eval_run__mutmut_37": (
+        "+    jaxpr = jcore.Jaxpr([], list(free), outvars, run, effects, None)",
+        "the jaxpr is evaluated at once by eval_jaxpr, which reads no debug info: same "
+        "values, same errors"),
+    "adaloss_jax._transforms.x_all_finite__mutmut_13": (
+        "+        ok = jax.lax.pmin(ok.astype(None), axis_name) > 0",
+        "astype(None) makes the bool a float32 0.0/1.0; its pmin is > 0 exactly when "
+        "the int32 one is"),
+}
+
+
+def _mutmut():
+    try:
+        import mutmut  # noqa: F401
+    except ImportError:
+        sys.exit("needs mutmut 3.8.1: pip install mutmut==3.8.1")
+    from mutmut import __main__ as cli
+    from mutmut.mutation.diff_apply import get_diff_for_mutant
+    from mutmut.stats import status_by_exit_code
+    return cli, get_diff_for_mutant, status_by_exit_code
+
+
+def _generate(cli):
+    """Every mutant mutmut makes of the configured files: {name: SourceFileMutationData}."""
+    cli.set_mutant_under_test("mutant_generation")
+    os.makedirs("mutants", exist_ok=True)
+    cli.copy_src_dir()
+    cli.copy_also_copy_files()
+    cli.setup_source_paths()
+    cli.store_lines_covered_by_tests()
+    cli.create_mutants(os.cpu_count() or 2)
+    by_name = {}
+    for path in cli.walk_mutatable_files():
+        data = cli.SourceFileMutationData(path=path)
+        data.load()
+        for name in data.exit_code_by_key:
+            by_name[name] = data
+    return by_name
+
+
+def _diff(get_diff, name, data):
+    return get_diff(name, path=data.path)
+
+
+def _own_tests_fail(name: str) -> bool:
+    """mutmut picks a mutant's tests by the calls it saw while each test ran, so a
+    function called when a module is imported (a format table, a registry) has none or
+    the wrong ones. A mutant that survived those runs once more against its module's own
+    test file, ``tests/test_<module>.py``, where one exists."""
+    module = name.split(".x")[0].rsplit(".", 1)[-1].lstrip("_")
+    own = os.path.join("tests", f"test_{module}.py")
+    if not os.path.exists(own):
+        return False
+    env = {**os.environ, "MUTANT_UNDER_TEST": name}
+    run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly",
+                          "-p", "no:cacheprovider", "-p", "no:xdist", own],
+                         cwd="mutants", env=env, capture_output=True)
+    print(f"{name}: its module's tests {own} "
+          f"{'fail (killed)' if run.returncode == 1 else 'pass'}")
+    return run.returncode == 1
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seed", type=int, default=SEED)
+    ap.add_argument("--sample", type=int, default=SAMPLE)
+    ap.add_argument("--list", action="store_true", help="print the sample and stop")
+    ap.add_argument("--show", metavar="NAME", help="print one mutant's diff and stop")
+    ap.add_argument("--rerun", action="store_true",
+                    help="run every sampled mutant again, not only those without a result")
+    ap.add_argument("--survivors", action="store_true",
+                    help="run again the sampled mutants no test killed (after adding tests)")
+    args = ap.parse_args(argv)
+    os.chdir(ROOT)
+    cli, get_diff, status_of = _mutmut()
+    with open(os.devnull, "w") as quiet:
+        saved = sys.stdout
+        sys.stdout = quiet
+        try:
+            by_name = _generate(cli)
+        finally:
+            sys.stdout = saved
+    names = sorted(by_name)
+    sample = sorted(random.Random(args.seed).sample(names, args.sample))
+    print(f"mutmut: {len(names)} mutants of the core and front ends; sample of "
+          f"{len(sample)} with seed {args.seed}")
+    if args.show:
+        print(_diff(get_diff, args.show, by_name[args.show]))
+        return 0
+    if args.list:
+        for name in sample:
+            print(name)
+        return 0
+    settled = ("killed", "survived", "no tests", "check was interrupted by user")  # else: again
+    status = {n: status_of[by_name[n].exit_code_by_key.get(n)] for n in sample}
+    todo = [n for n in sample if args.rerun or status[n] not in settled
+            or (args.survivors and status[n] != "killed")]
+    start = time.time()
+    if todo:
+        subprocess.run([sys.executable, "-m", "mutmut", "run", *todo], check=False)
+    minutes = (time.time() - start) / 60
+    for data in set(by_name.values()):
+        data.load()
+    status = {n: status_of[by_name[n].exit_code_by_key.get(n)] for n in sample}
+    for name in sample:
+        # pytest's exit code 2 ("interrupted", as mutmut calls it): nobody interrupts
+        # here; it is the code of a test module that fails to import the mutant.
+        if by_name[name].exit_code_by_key.get(name) == 2:
+            status[name] = "killed (the tests fail to import it)"
+    for name in sample:
+        if status[name] in ("survived", "no tests") and _own_tests_fail(name):
+            status[name] = "killed by its module's tests"
+    stale = []
+    equivalent = []
+    for name, (line, _why) in EQUIVALENT.items():
+        if name not in status:
+            continue
+        if line not in _diff(get_diff, name, by_name[name]):
+            stale.append(name)
+        elif not status[name].startswith("killed"):
+            equivalent.append(name)
+    counted = [n for n in sample if n not in equivalent]
+    killed = [n for n in counted if status[n].startswith("killed")]
+    print()
+    print(f"{'mutant':64s} status")
+    for name in sample:
+        mark = " (equivalent)" if name in equivalent else ""
+        print(f"{name:64s} {status[name]}{mark}")
+    print()
+    for name in counted:
+        if not status[name].startswith("killed"):
+            print(f"--- {status[name]}: {name}")
+            print(_diff(get_diff, name, by_name[name]))
+    for name in stale:
+        print(f"stale EQUIVALENT entry (its diff changed): {name}")
+    score = len(killed) / max(len(counted), 1)
+    print(f"\nscore: {len(killed)} killed of {len(counted)} non-equivalent sampled mutants "
+          f"= {score:.1%} ({len(equivalent)} equivalent; seed {args.seed}, sample "
+          f"{len(sample)}; ran {minutes:.1f} min)")
+    return 0 if score >= 0.9 and not stale else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

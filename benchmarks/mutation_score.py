@@ -38,10 +38,6 @@ SAMPLE = 100
 
 # name: (a line of the mutant's diff, why no test can tell it from the original)
 EQUIVALENT: dict[str, tuple[str, str]] = {
-    "adaloss_jax._apply.x__eval_run__mutmut_37": (
-        "+    jaxpr = jcore.Jaxpr([], list(free), outvars, run, effects, None)",
-        "the jaxpr is evaluated at once by eval_jaxpr, which reads no debug info: same "
-        "values, same errors"),
     "adaloss_jax._transforms.x_all_finite__mutmut_13": (
         "+        ok = jax.lax.pmin(ok.astype(None), axis_name) > 0",
         "astype(None) makes the bool a float32 0.0/1.0; its pmin is > 0 exactly when "

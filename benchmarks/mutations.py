@@ -73,7 +73,7 @@ MUTATIONS = {
         "only steps where every group measured something are applied (issue 22)"),
     "backoff-ignored": (
         "adaloss_jax/_rule.py",
-        "    nxt = jnp.where(bad, log2 - drop, jnp.where(amax > 0, target, grown))",
+        "    nxt = jnp.where(bad | backs_off, used - drop, jnp.where(amax > 0, target, grown))",
         "    nxt = jnp.where(amax > 0, target, grown)",
         ["tests/test_rule.py"],
         "a group where an overflow started does not back off"),

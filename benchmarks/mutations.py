@@ -79,8 +79,8 @@ MUTATIONS = {
         "a group where an overflow started does not back off"),
     "parameters-measured": (
         "adaloss_jax/_stream.py",
-        "                passed = {i for i, (v, _) in enumerate(pairs) "
-        "if self._source(v) == _PARAMS}",
+        "                passed = {i for i, (kv, _) in enumerate(pairs)\n"
+        "                          if self._source(kv) == _PARAMS}",
         "                passed = set()",
         ["tests/test_transformations.py", "tests/test_stream.py"],
         "a parameter passed into a group as an argument is measured as a cotangent"),
@@ -99,7 +99,8 @@ MUTATIONS = {
 }
 
 
-def run(name: str, keep: bool) -> tuple[bool, float, str]:
+def run(name: str, keep: bool) -> tuple[bool | None, float, str]:
+    """(caught, seconds, detail); caught is None where the text to mutate is stale."""
     path, old, new, tests, _ = MUTATIONS[name]
     tmp = tempfile.mkdtemp(prefix=f"mut-{name}-")
     try:
@@ -110,7 +111,8 @@ def run(name: str, keep: bool) -> tuple[bool, float, str]:
         target = os.path.join(repo, path)
         text = open(target).read()
         if text.count(old) != 1:
-            return False, 0.0, f"the text to mutate occurs {text.count(old)} times in {path}"
+            return None, 0.0, (f"the text to mutate occurs {text.count(old)} times in {path}: "
+                               "update it to the code as it is now")
         open(target, "w").write(text.replace(old, new))
         env = {**os.environ, "PYTHONPATH": repo}
         t0 = time.perf_counter()
@@ -135,7 +137,8 @@ def main(argv=None) -> int:
     for name in names:
         caught, seconds, detail = run(name, args.keep)
         survived += not caught
-        print(f"{'caught' if caught else 'SURVIVED':<9} {name:<34} {seconds:5.0f} s  "
+        verdict = "STALE" if caught is None else "caught" if caught else "SURVIVED"
+        print(f"{verdict:<9} {name:<34} {seconds:5.0f} s  "
               f"{MUTATIONS[name][4]}\n          first failing test: {detail}", flush=True)
     return 1 if survived else 0
 

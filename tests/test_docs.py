@@ -110,3 +110,17 @@ def test_every_public_function_and_class_documents_itself(name, obj):
         if params:
             assert re.search(r"^Args:", doc, re.M), f"{name}: no Args"
         assert re.search(r"^Returns:", doc, re.M), f"{name}: no Returns"
+
+
+def test_every_hand_written_mutation_still_finds_its_text():
+    """``benchmarks/mutations.py`` breaks the code by replacing a text that must occur
+    exactly once; a text the code no longer holds would test nothing."""
+    import importlib.util
+
+    root = pathlib.Path(__file__).resolve().parents[1]
+    spec = importlib.util.spec_from_file_location("mutations", root / "benchmarks/mutations.py")
+    mutations = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mutations)
+    stale = [name for name, (path, old, *_rest) in mutations.MUTATIONS.items()
+             if (root / path).read_text().count(old) != 1]
+    assert not stale, stale

@@ -327,32 +327,44 @@ def adaptive_value_and_grad(
         rest = rec.dynamic[rec.n_params:]
         treedef = jax.tree_util.tree_structure(params)
 
-        def attempt(scales: GroupVector):
-            """The loss, the scaled gradients and the statistics at ``scales``."""
+        def attempt(scales: GroupVector, prior: AdaptiveScaleState | None = None):
+            """The loss, the scaled gradients and the statistics at ``scales`` (and,
+            given the ``prior`` state, with the live regions choosing their own)."""
             used = _in_use(scales, groups)
             log2 = _Scales(scales)
-            _, ratios = _apply.anchor_scales(log2, program.pairs(), used)
+            sigma, ratios = _apply.anchor_scales(log2, program.pairs(), used)
             dummies = [jnp.zeros((*s.lead, program.columns.width), jnp.float32)
                        for s in sites]
+            live = program.live.groups if prior is not None else ()
+            chosen = {g: jnp.zeros((), jnp.float32) for g in live}
 
-            def scaled(param_values, dummies):
-                outs = program.evaluate([*param_values, *rest], dummies, ratios)
+            def scaled(param_values, dummies, chosen):
+                inputs = {g: (_limits(prior, g), chosen[g]) for g in live}
+                axes = () if prior is None or _bound(prior.axis_name) is None else (
+                    prior.axis_name,)
+                outs = program.evaluate([*param_values, *rest], dummies, ratios,
+                                        (sigma, inputs, axes) if live else None)
                 out = rec.output(outs)
                 loss, aux = out if has_aux else (out, None)
                 loss32 = jnp.asarray(loss).astype(jnp.float32)
                 return loss32 * _formats.pow2(log2[ROOT]), (loss, aux)
 
-            (_, value), (g_values, rows) = jax.value_and_grad(
-                scaled, argnums=(0, 1), has_aux=True)(rec.dynamic[:rec.n_params], dummies)
+            (_, value), (g_values, rows, chosen) = jax.value_and_grad(
+                scaled, argnums=(0, 1, 2), has_aux=True)(rec.dynamic[:rec.n_params],
+                                                        dummies, chosen)
             grads = jax.tree_util.tree_unflatten(treedef, g_values)
-            return value, grads, _decode(program, sites, rows, used, scaler)
+            actual = used
+            if live:  # the scales the live regions chose, each from its own cotangent
+                actual = GroupVector(groups, [chosen[g] if g in chosen else used[g]
+                                              for g in groups], split=True)
+            return value, grads, _decode(program, sites, rows, actual, scaler, used)
 
         if _wide(rec, scaler):
             (loss, aux), grads, stats = _unscaled(attempt, state)
         elif scaler.retries:
             (loss, aux), grads, stats = _until_applied(attempt, state)
         else:
-            (loss, aux), grads, stats = attempt(state.log2_scales)
+            (loss, aux), grads, stats = attempt(state.log2_scales, state)
         if stats.grad_amax is None:  # (the retry loop measured it for its verdict)
             stats = dataclasses.replace(stats, grad_amax=_unscale(grads, stats, scaler,
                                                                   state)[1])
@@ -363,9 +375,22 @@ def adaptive_value_and_grad(
     return wrapped
 
 
+def _limits(prior: AdaptiveScaleState, g: str) -> jax.Array:
+    """What a live region's decider bounds its choice by (:func:`_channel.decide`):
+    ``[headroom, prior, planned]``, the prior being the rule's scale once the group
+    was measured (+inf before)."""
+    planned = prior.log2_scales[g]
+    measured = prior.log2_amax[g] > -jnp.inf
+    return jnp.stack([jnp.ceil(prior.headroom[g]), jnp.where(measured, planned, jnp.inf),
+                      planned]).astype(jnp.float32)
+
+
 def _decode(program: _apply.Program, sites, rows, used: GroupVector,
-            scaler: AdaptiveScale) -> ScaleStats:
-    """The rows of one backward pass as per-group statistics (a stack's rows per layer)."""
+            scaler: AdaptiveScale, planned: GroupVector | None = None) -> ScaleStats:
+    """The rows of one backward pass as per-group statistics (a stack's rows per layer);
+    ``used``: the scale each group's gradients were computed at, ``planned``: the
+    scales the plan set (they differ for the live regions; a fan-in's scale is the
+    min of its anchors' planned ones)."""
     specs, values = [], []
     for r, s in zip(rows, sites):
         axes = [a for a in range(len(s.lead)) if a != s.layer_axis]
@@ -373,7 +398,8 @@ def _decode(program: _apply.Program, sites, rows, used: GroupVector,
         specs += ([s.row] if s.layer_axis is None else  # a row per layer
                   [_channel.Row(_stream.at(s.row.y, i), _stream.at(s.row.x, i),
                                 s.row.y_max, s.row.x_max) for i in range(s.lead[s.layer_axis])])
-    return _channel.decode(specs, values, used, program.columns, scaler.format.max)
+    return _channel.decode(specs, values, used, program.columns, scaler.format.max,
+                           planned=planned if program.live.groups else None)
 
 
 def _unscaled(attempt: Callable, state: AdaptiveScaleState):
@@ -422,7 +448,7 @@ def _until_applied(attempt: Callable, state: AdaptiveScaleState):
     def judged(prior: AdaptiveScaleState):
         """A pass at ``prior``'s scales (its statistics holding their gradients' amax,
         measured once for the rule and the optimizer's check) and the rule's verdict."""
-        value, grads, stats = attempt(prior.log2_scales)
+        value, grads, stats = attempt(prior.log2_scales, prior)
         verdict, grad_amax = _verdict(prior, grads, stats, value[0], axis_name)
         return (value, grads, dataclasses.replace(stats, grad_amax=grad_amax)), verdict
 

@@ -20,6 +20,7 @@ way.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
 
@@ -27,7 +28,7 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 
-from adaloss_jax import _channel, _formats, _jaxpr
+from adaloss_jax import _channel, _formats, _jaxpr, _live
 from adaloss_jax._state import slot_name
 from adaloss_jax._stream import Plan, Steps
 from adaloss_jax._transforms import min_once
@@ -74,6 +75,19 @@ class Program:
         self.columns = _channel.Columns.of(scaler)
         self.reader = _jaxpr.Reader()
         self._memo: dict[int, tuple[list[Site], Any]] = {}
+        self.live = self._live() if scaler.same_step else _live.Live()
+
+    def _live(self) -> _live.Live:
+        """The regions that choose their scale in the backward pass (:mod:`_live`)."""
+        every = [((s.n, s.pair), s.pair, s.cfg.convert) for s in self.sites()]
+        top, params_order = [], float("inf")
+        for i, eqn in enumerate(self.closed.jaxpr.eqns):
+            kind = self.reader.kind(eqn)
+            if kind == _jaxpr.POINT:
+                top += [((s.n, s.pair), i) for s in self._point_sites(eqn)]
+            elif kind == _jaxpr.PARAMS:
+                params_order = i
+        return _live.analyse(every, top, self.param_pairs, params_order, self.plan.stacked)
 
     # ---------------------------------------------------------------- the rows
 
@@ -134,12 +148,20 @@ class Program:
 
     # ---------------------------------------------------------------- evaluation
 
-    def evaluate(self, args: Sequence, dummies: Sequence, ratios: dict) -> list:
+    def evaluate(self, args: Sequence, dummies: Sequence, ratios: dict, live=None) -> list:
         """The loss's flat outputs, with the points applied; ``dummies``: one per
-        :meth:`sites` row; ``ratios``: ``{(x anchors, y anchors): S_x / S_y}``."""
-        return self._eval(self.closed.jaxpr, self.closed.consts, args, list(dummies), ratios)
+        :meth:`sites` row; ``ratios``: ``{(x anchors, y anchors): S_x / S_y}``;
+        ``live``: ``(sigma, {group: (limits, chosen)}, axes)`` for the live regions
+        (:attr:`live`): the planned log2 scale of every anchor set, per live group
+        its decider's limits and the zero input whose cotangent is its chosen scale,
+        and the mapped axes every decider takes its amax over."""
+        ctx = None
+        if live is not None and self.live.groups:
+            ctx = _LiveContext(*live, tokens={})
+        return self._eval(self.closed.jaxpr, self.closed.consts, args, list(dummies), ratios,
+                          ctx)
 
-    def _eval(self, jaxpr, consts, args, dummies: list, ratios) -> list:
+    def _eval(self, jaxpr, consts, args, dummies: list, ratios, live=None) -> list:
         env: dict = {}
 
         def read(v):
@@ -168,9 +190,9 @@ class Program:
             ins = [read(v) for v in eqn.invars]
             if kind == _jaxpr.POINT:
                 sites = self._point_sites(eqn)
-                outs = self._apply_point(ins, sites, take(sites), ratios)
+                outs = self._apply_point(ins, sites, take(sites), ratios, live)
             elif kind == _jaxpr.PARAMS:
-                outs = self._convert_params(ins, ratios)
+                outs = self._convert_params(ins, ratios, live)
             else:
                 subs = _jaxpr.subprograms(eqn)
                 blocks = [take(self._sites_of(s.jaxpr)) for s in subs]
@@ -181,20 +203,54 @@ class Program:
         _eval_run(run, env, read)
         return [read(v) for v in jaxpr.outvars]
 
-    def _apply_point(self, ins, sites, dummies, ratios) -> list:
+    def _apply_point(self, ins, sites, dummies, ratios, live=None) -> list:
         outs = list(ins)
         for site, dummy in zip(sites, dummies):
-            ratio = ratios[site.pair] if site.cfg.convert else jnp.float32(1.0)
             cfg = site.cfg._replace(dummy_axes=_channel.varying_axes(dummy))
-            ys = _channel.scale_point(cfg, tuple(ins[i] for i in site.members), ratio, dummy)
+            xs = tuple(ins[i] for i in site.members)
+            key = (site.n, site.pair)
+            if live is not None and (key in self.live.needs or key in self.live.deciders):
+                ys = self._live_point(live, key, site.pair, cfg, xs, dummy)
+            else:
+                ratio = ratios[site.pair] if site.cfg.convert else jnp.float32(1.0)
+                ys = _channel.scale_point(cfg, xs, ratio, dummy)
             for i, y in zip(site.members, ys):
                 outs[i] = y
         return outs
 
-    def _convert_params(self, ins, ratios) -> list:
+    def _live_point(self, live: _LiveContext, key, pair, cfg, xs, dummy) -> tuple:
+        """A point on the border of live regions: it emits a token for each live
+        group whose scale it needs, and the decider takes the tokens emitted for its
+        group (all emitted before it: :mod:`adaloss_jax._live`)."""
+        needs = self.live.needs.get(key, ())
+        group = self.live.deciders.get(key)
+        x, y = (_live.single(a) for a in pair)
+        sc = self.scaler
+        lcfg = _channel.LiveConfig(
+            cfg, x_token=needs.index(x) if x in needs else None,
+            y_token=needs.index(y) if y in needs else None, emits=len(needs),
+            decides=group is not None, target=math.log2(cfg.x_max) - sc.margin,
+            lo=math.log2(sc.min_loss_scale), hi=math.log2(sc.max_loss_scale))
+        base = jnp.stack([jnp.asarray(live.sigma[a], jnp.float32) for a in pair])
+        limits, chosen = (live.inputs[group] if group is not None
+                          else (jnp.zeros((3,), jnp.float32), jnp.zeros((), jnp.float32)))
+        taken = tuple(live.tokens.pop(group, ())) if group is not None else ()
+        lcfg = lcfg._replace(axes=live.axes)
+        ys, emitted = _channel.live_point(lcfg, xs, base, limits, dummy, chosen, taken)
+        for g, t in zip(needs, emitted):
+            live.tokens.setdefault(g, []).append(t)
+        return ys
+
+    def _convert_params(self, ins, ratios, live=None) -> list:
         outs = list(ins)
         for i, pair in enumerate(self.param_pairs):
-            if pair is not None:  # (a stack of layers: a ratio per slice)
+            if live is not None and (_live.PARAMS_KEY, i) in self.live.needs:
+                inf = float("inf")
+                cfg = _channel.PointConfig(_channel.Columns(False, None), convert=True,
+                                           measure=False, y_max=inf, x_max=inf)
+                (outs[i],) = self._live_point(live, (_live.PARAMS_KEY, i), pair, cfg,
+                                              (ins[i],), jnp.zeros((), jnp.float32))
+            elif pair is not None:  # (a stack of layers: a ratio per slice)
                 r = ratios[pair]
                 outs[i] = _channel.convert_param(ins[i], r.reshape(r.shape + (1,) * (
                     ins[i].ndim - r.ndim)))
@@ -260,6 +316,15 @@ class Program:
                                                      [ratios[q] for q in layered]),
                                  length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
         return [*carry, *ys]
+
+
+class _LiveContext(NamedTuple):
+    """What the top level's evaluation carries for the live regions."""
+
+    sigma: dict  # anchor set -> planned log2 scale
+    inputs: dict  # live group -> (limits, chosen)
+    axes: tuple  # the optimizer's bound mapped axis: deciders agree over it
+    tokens: dict  # live group -> the tokens emitted for it so far
 
 
 def _varies(pair) -> bool:

@@ -236,7 +236,8 @@ def _shift_hist(hist: jax.Array, k) -> jax.Array:
 
 
 def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
-           columns: Columns, fmt_max: float) -> ScaleStats:
+           columns: Columns, fmt_max: float, planned: GroupVector | None = None
+           ) -> ScaleStats:
     """Rows -> per-group statistics, each at its group's scale.
 
     A row counts for every group anchoring either of its sides, shifted to that group's
@@ -253,6 +254,9 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
       used: the log2 scale of each group in use (an anchor set's is the min over it).
       columns: the row layout.
       fmt_max: the largest finite value of the scaler's format.
+      planned: where live regions chose their own scales (``AdaptiveScale.same_step``),
+        the scales the plan set: a fan-in's scale (a set of several groups) is the min
+        of their planned scales, a one-group region's its group's in ``used``.
 
     Vectorised over rows with static index arrays: a handful of ops whatever the
     model's size and depth.
@@ -287,7 +291,12 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     # Every set's scale at once (one gather and a min; a set's row padded with its first).
     width = max(len(a) for a in sets)
     members = [[gi[g] for g in a] + [gi[a[0]]] * (width - len(a)) for a in sets]
-    sigma_vec = jnp.min(log2[jnp.asarray(members, jnp.int32)], axis=1)
+    sigma_vec = jnp.min((log2 if planned is None else planned.array)[
+        jnp.asarray(members, jnp.int32)], axis=1)
+    if planned is not None:
+        single = jnp.asarray([len(a) == 1 for a in sets])
+        sigma_vec = jnp.where(single, log2[jnp.asarray([gi[a[0]] for a in sets])],
+                              sigma_vec)
     k = log2[e_grp] - sigma_vec[e_set]
     f = _formats.pow2(k)
     a = m[e_row, _AMAX] * jnp.asarray(e_lim, jnp.float32) * f
@@ -319,3 +328,96 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
                                 jnp.asarray(p_grp), ng) > 0
     return ScaleStats(used, vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
                       sumsq=sumsq, count=count, hist=hist)
+
+
+# ------------------------------------------------------------------ same-step scales
+
+
+class LiveConfig(NamedTuple):
+    """Static configuration of a point on the border of live regions
+    (:mod:`adaloss_jax._live`): where each side's log2 scale comes from."""
+
+    point: PointConfig
+    x_token: int | None  # which emitted token's cotangent is the x side's scale
+    y_token: int | None  # the same for the y side (None: the planned one)
+    emits: int  # tokens emitted (one per live group whose scale it needs)
+    decides: bool  # it chooses the x side's scale (the decider of a live region)
+    target: float = 0.0  # log2 of the largest value the decider aims at (x_max, margin)
+    lo: float = -math.inf  # bounds of every scale (log2)
+    hi: float = math.inf
+    axes: tuple = ()  # mapped axes to agree over where the types do not say (check_vma off)
+
+
+def decide(cts: tuple, ly, limits: jax.Array, cfg: LiveConfig, dummy_axes=frozenset()
+           ) -> jax.Array:
+    """The log2 scale a live region gets from the cotangent arriving at its decider
+    (at scale ``2**ly``)::
+
+        A     = amax(cts) / 2**ly                       # over the devices that share it
+        s     = floor(target - log2 A) - headroom        # target = log2 x_max - margin
+        s     = min(s, prior)                            # prior: the rule's scale, +inf
+                                                         # before anything was measured
+        s     = prior   where A is 0 or not finite       (nothing to measure by)
+        s     = clip(s, log2 min_loss_scale, log2 max_loss_scale)
+
+    ``limits = [headroom, prior, planned]``; the prior holds the growth inside the
+    module the rule has measured (its scale is set from the module's largest value, not
+    only its entry's), and after an overflow the rule's back-off."""
+    amax = jnp.zeros((), jnp.float32)
+    for ct in cts:
+        if ct.size:
+            amax = jnp.maximum(amax, jnp.maximum(jnp.max(ct).astype(jnp.float32),
+                                                 -jnp.min(ct).astype(jnp.float32)))
+    axes = set()
+    for c in cts:
+        axes |= _varying_axes(c)
+    axes = tuple(sorted(axes - dummy_axes))
+    if not axes and not any(_varying_axes(c) for c in cts):
+        axes = cfg.axes  # untyped (check_vma=False): the optimizer's axis_name
+    if axes:  # one scale for every device whose gradients are summed
+        amax = jax.lax.pmax(amax, axes)
+    headroom, prior, planned = limits[0], limits[1], limits[2]
+    s = jnp.minimum(jnp.floor(cfg.target - (jnp.log2(amax) - ly)) - headroom, prior)
+    s = jnp.where((amax > 0) & (amax < jnp.inf), s, planned)
+    return jnp.clip(s, cfg.lo, cfg.hi)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
+def live_point(cfg: LiveConfig, xs: tuple, base: jax.Array, limits: jax.Array,
+               dummy: jax.Array, chosen: jax.Array, taken: tuple):
+    """:func:`scale_point` on the border of live regions: identity on ``xs``, plus
+    ``cfg.emits`` zero tokens. ``base = [x, y]``: the planned log2 scales of the two
+    sides; a side in a live region reads its scale from an emitted token's cotangent,
+    or (the decider) chooses it (:func:`decide`, with ``limits``) and returns it as the
+    cotangent of ``chosen`` and of every token it ``taken``."""
+    del base, limits, dummy, chosen, taken
+    return xs, tuple(jnp.zeros((), jnp.float32) for _ in range(cfg.emits))
+
+
+def _live_point_fwd(cfg, xs, base, limits, dummy, chosen, taken):
+    del dummy, chosen
+    tokens = tuple(jnp.zeros((), jnp.float32) for _ in range(cfg.emits))
+    return (xs, tokens), (base, limits, len(taken))
+
+
+def _live_point_bwd(cfg, res, cts):
+    base, limits, n_taken = res
+    cts, emitted = cts
+    pc = cfg.point
+    ly = base[1] if cfg.y_token is None else emitted[cfg.y_token]
+    if cfg.decides:
+        lx = decide(cts, ly, limits, cfg, pc.dummy_axes)
+    else:
+        lx = base[0] if cfg.x_token is None else emitted[cfg.x_token]
+    ratio = _formats.pow2(lx) / _formats.pow2(ly)
+    out = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
+    if pc.simulate is not None:
+        out = tuple(_formats.round_to(c, pc.simulate) for c in out)
+    row = (_over_devices(measure(cts, ratio, pc), cts, pc.dummy_axes) if pc.measure
+           else None)
+    mine = lx if cfg.decides else jnp.zeros((), jnp.float32)
+    return (out, jnp.zeros_like(base), jnp.zeros_like(limits), row, mine,
+            tuple(mine for _ in range(n_taken)))
+
+
+live_point.defvjp(_live_point_fwd, _live_point_bwd)

@@ -48,6 +48,9 @@ class AdaptiveScale:
     ``factor``                ``16.0``          back-off factor of a group that overflowed
     ``max_rise``              log2(factor) + 1  binades: a step whose statistics call for
                                                 a scale this much higher is not applied
+    ``same_step``             ``False``         ``True``: each module's scale set from the
+                                                cotangent entering it, in the same
+                                                backward pass (``groups="module"``)
     ``retries``               ``4``             passes a step may take again, at the
                                                 scales its statistics set, before it is
                                                 skipped (``0``: skip at once)
@@ -95,6 +98,17 @@ class AdaptiveScale:
         move, and the next step is computed at them. ``None``: ``log2(factor) + 1``: the
         step after a single backoff (back by ``log2(factor)``, plus a binade the
         statistics may have moved) is applied.
+      same_step: ``True``: where a module's region of the backward stream has one way
+        in (its call's output scale point) and every other point on its border is
+        evaluated before it, its scale is chosen at that point from the cotangent it
+        receives, in the same backward pass: the largest power of two keeping that
+        cotangent ``margin`` binades and the learned headroom below the format's max,
+        never above the scale the rule set for the step (which already allows for the
+        growth inside the module measured so far). The other points on the region's
+        border receive the chosen scale from it (docs: concepts, same-step scales), and
+        the unscale divides by it. Regions it cannot decide (several ways in, inside a
+        scan, a ``cond`` or a ``checkpoint`` of the loss, stacks of layers, fan-ins)
+        keep the rule's scale. Needs ``groups="module"`` and ``statistic="amax"``.
       retries: a step the rule would skip while it moves a scale (an overflow backed
         off, a step computed far below the scales its statistics call for, the first
         step at ``initial_scale``) is computed again inside the same step, at the new
@@ -126,7 +140,7 @@ class AdaptiveScale:
     AdaptiveScale(groups='global', grad_dtype='float16', simulate=False, statistic='amax',
                   threshold=0.001, margin=4, decay=inf, period=1, initial_scale=1.0,
                   min_loss_scale=2**-24, max_loss_scale=2**64, factor=16.0, max_rise=5,
-                  retries=4, max_consecutive_skips=16, max_depth=None, filter=None,
+                  same_step=False, retries=4, max_consecutive_skips=16, max_depth=None, filter=None,
                   compute_dtype=None)
     """
 
@@ -143,6 +157,7 @@ class AdaptiveScale:
     max_loss_scale: float = 2.0**64
     factor: float = 16.0
     max_rise: int | None = None
+    same_step: bool = False
     retries: int = 4
     max_consecutive_skips: int = 16
     max_depth: int | None = None
@@ -192,6 +207,13 @@ class AdaptiveScale:
         _validation.check_int("retries", self.retries, minimum=0)
         _validation.check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
         _validation.check_bool("simulate", self.simulate)
+        _validation.check_bool("same_step", self.same_step)
+        if self.same_step and (self.groups != "module" or self.statistic != "amax"):
+            raise ValueError(
+                f"same_step=True sets each module's scale from the amax of the cotangent "
+                f"entering it, so it needs groups='module' and statistic='amax' (got "
+                f"groups={self.groups!r}, statistic={self.statistic!r}); pass those, or "
+                f"same_step=False")
         if self.max_depth is not None:
             _validation.check_int("max_depth", self.max_depth, minimum=1)
         if self.compute_dtype is not None:  # a canonical name: equal scalers compare equal

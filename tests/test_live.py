@@ -1,0 +1,315 @@
+"""Same-step scales (``same_step=True``, ``adaloss_jax._live``): which regions choose
+their scale in the backward pass, the choice in closed form, exactness against fp32
+under any prior scales, and agreement over devices."""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from _close import assert_fp32_trees_close
+from flax import linen as nn
+from jax.sharding import NamedSharding
+from jax.sharding import PartitionSpec as P
+from test_adaptive import CASES, _grads_through, _setup
+
+import adaloss_jax as alj
+from adaloss_jax import _live
+from adaloss_jax._stream import Steps
+
+SLOW = pytest.mark.slow
+
+
+# ------------------------------------------------------------------ the analysis
+
+
+def _site(key, x, y):
+    return (key, (x, y), x != y)
+
+
+def test_a_chain_is_live_and_each_decider_needs_the_scale_it_arrives_at():
+    # Backward order: head (b) first. a's output point converts from (b,) into (a,).
+    every = [_site("a_in", ("a",), ("a",)), _site("a_out", ("a",), ("b",)),
+             _site("b_in", ("b",), ("b",)), _site("b_out", ("b",), ("",))]
+    top = [("a_in", 0), ("a_out", 1), ("b_in", 2), ("b_out", 3)]
+    live = _live.analyse(every, top, [], 0)
+    assert live.groups == ("a", "b")
+    assert live.deciders == {"a_out": "a", "b_out": "b"}
+    assert live.needs == {"a_out": ("b",)}  # its consumer side is b's region
+
+
+def test_a_fan_in_keeps_the_plan_and_its_exits_get_tokens():
+    # q and k read one value (anchors (k, q)); their exits convert into it.
+    every = [_site("q_in", ("k", "q"), ("q",)), _site("k_in", ("k", "q"), ("k",)),
+             _site("q_out", ("q",), ("",)), _site("k_out", ("k",), ("",))]
+    top = [("q_in", 0), ("k_in", 1), ("q_out", 2), ("k_out", 3)]
+    live = _live.analyse(every, top, [], 0)
+    assert set(live.groups) == {"q", "k"}
+    assert live.needs == {"q_in": ("q",), "k_in": ("k",)}
+
+
+@pytest.mark.parametrize("case", ["two entries at once", "border after the decider",
+                                  "border nested", "met twice", "per layer", "root",
+                                  "stacked"])
+def test_regions_the_backward_pass_cannot_decide_keep_the_plan(case):
+    every = [_site("g_in", ("g",), ("g",)), _site("g_out", ("g",), ("",))]
+    top = [("g_in", 0), ("g_out", 1)]
+    stacked = frozenset()
+    if case == "two entries at once":  # two outputs of one call, to two regions
+        every.append(_site("g_out2", ("g",), ("h",)))
+        top.append(("g_out2", 1))
+    elif case == "border after the decider":
+        every.append(_site("late", ("x", "y"), ("g",)))
+        top.append(("late", 5))
+    elif case == "border nested":  # a border point inside a scan or cond
+        every.append(_site("inner", ("x", "y"), ("g",)))
+    elif case == "met twice":  # the decider in a jaxpr evaluated twice
+        every.append(_site("g_out", ("g",), ("",)))
+    elif case == "per layer":
+        every.append(_site("scan", Steps([("g",), ("h",)]), ("h",)))
+    elif case == "root":
+        every = [_site("r_out", ("",), ("h",))]
+        top = [("r_out", 0)]
+    else:
+        stacked = frozenset({"g"})
+    assert _live.analyse(every, top, [], 0, stacked).groups == ()
+
+
+def test_a_module_called_twice_is_decided_at_its_second_call():
+    every = [_site("c1_out", ("g",), ("h",)), _site("c2_out", ("g",), ("",))]
+    live = _live.analyse(every, [("c1_out", 0), ("c2_out", 1)], [], 0)
+    assert live.deciders == {"c2_out": "g"}
+    assert live.needs == {"c1_out": ("g",)}
+
+
+def test_a_tied_parameter_conversion_is_a_border_point():
+    every = [_site("e_out", ("e",), ("",))]
+    top = [("e_out", 3)]
+    live = _live.analyse(every, top, [None, (("e",), ("",))], params_order=0)
+    assert live.groups == ("e",)
+    assert live.needs == {(_live.PARAMS_KEY, 1): ("e",)}
+    # A parameter point evaluated after the decider cannot get the choice.
+    assert _live.analyse(every, top, [None, (("e",), ("",))], params_order=9).groups == ()
+
+
+# ------------------------------------------------------------ the choice, in closed form
+
+
+_d1 = alj.scale_group("d1")(lambda p, x: x @ p["w"])
+_d2 = alj.scale_group("d2")(lambda p, x: x @ p["w"])
+_W1 = np.random.default_rng(0).normal(size=(4, 6)).astype(np.float32)
+_W2 = np.random.default_rng(1).normal(size=(6, 3)).astype(np.float32) * 2.0**-9
+_C = np.random.default_rng(2).normal(size=(5, 3)).astype(np.float32) * 2.0**-13
+_X = np.random.default_rng(3).normal(size=(5, 4)).astype(np.float32)
+
+
+def _chain_loss(p, x, y=None):
+    del y
+    return jnp.sum(_d2(p["d2"], _d1(p["d1"], x)) * _C)
+
+
+_Y = jnp.zeros(())  # (the shared step's label argument, unused here)
+
+
+def _chain(log2=None, **options):
+    params = {"d1": {"w": jnp.asarray(_W1)}, "d2": {"w": jnp.asarray(_W2)}}
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
+                          retries=0, **options)
+    step, state = _grads_through(scaler, _chain_loss, params, (jnp.asarray(_X),), log2)
+    return params, step, state
+
+
+def _target(a, margin=4):
+    return math.floor(math.log2(65504.0) - margin - math.log2(a))
+
+
+def test_each_module_takes_the_scale_its_arriving_cotangent_calls_for():
+    """d2's output cotangent is ``_C * 2**root``, d1's is ``_C @ W2.T`` at d2's chosen
+    scale: each decider puts its own ``margin`` binades below fp16's max, whatever the
+    prior scales (here far too low and far too high)."""
+    params, step, state = _chain({"": 3, "d1": -20, "d2": 30})
+    got, new_state, stats = step(state, params, jnp.asarray(_X), _Y)
+    s2 = _target(np.abs(_C).max())
+    s1 = _target(np.abs(_C @ _W2.T).max())
+    assert float(stats.log2_scales["d2"]) == s2
+    assert float(stats.log2_scales["d1"]) == s1
+    assert float(stats.log2_scales[""]) == 3.0
+    assert bool(new_state[0].last_applied)
+    assert_fp32_trees_close(got, jax.grad(_chain_loss)(params, jnp.asarray(_X)))
+
+
+def test_the_choice_never_rises_above_the_rules_scale_once_measured():
+    """A measured group's prior (its scale from the rule) caps the choice: it holds the
+    growth inside the module seen so far, and a back-off after an overflow."""
+    params, step, state = _chain()
+    _, state, _ = step(state, params, jnp.asarray(_X), _Y)  # measured once
+    ad = state[0]
+    low = ad.with_log2_scales({"d1": 2, "d2": 5})
+    _, _, stats = step((low, state[1]), params, jnp.asarray(_X), _Y)
+    assert float(stats.log2_scales["d1"]) == 2.0
+    assert float(stats.log2_scales["d2"]) == 5.0
+    # And learned headroom lowers it below what the cotangent calls for.
+    roomy = ad.replace(headroom=alj.GroupVector(ad.groups, jnp.array([0.0, 0.0, 2.5])))
+    _, _, stats = step((roomy, state[1]), params, jnp.asarray(_X), _Y)
+    assert float(stats.log2_scales["d2"]) == min(_target(np.abs(_C).max()) - 3,
+                                                 float(ad.log2_scales["d2"]))
+
+
+def test_same_step_off_keeps_the_prior_scales():
+    params = {"d1": {"w": jnp.asarray(_W1)}, "d2": {"w": jnp.asarray(_W2)}}
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", retries=0)
+    step, state = _grads_through(scaler, _chain_loss, params, (jnp.asarray(_X),),
+                                 {"": 3, "d1": -20, "d2": 30})
+    _, _, stats = step(state, params, jnp.asarray(_X), _Y)
+    assert float(stats.log2_scales["d1"]) == -20.0
+
+
+def test_same_step_needs_module_groups_and_the_amax_statistic():
+    with pytest.raises(ValueError, match="needs groups='module' and statistic='amax'"):
+        alj.adaptive(same_step=True)
+    with pytest.raises(ValueError, match="needs groups='module' and statistic='amax'"):
+        alj.adaptive(groups="module", statistic="gaussian", same_step=True)
+    with pytest.raises(TypeError, match="same_step must be True or False"):
+        alj.adaptive(groups="module", same_step=1)
+
+
+# ------------------------------------------------------------- exact against fp32
+
+
+@pytest.mark.parametrize("name", [n if n in ("mlp", "resnet", "gpt_tied_reused_attention")
+                                  else pytest.param(n, marks=SLOW) for n in CASES])
+def test_fp32_model_exact_under_same_step_scales(name):
+    """Whatever the prior scales, the live regions' choices and the tokens that carry
+    them leave the fp32 gradient unchanged (residuals, concat skips, tied embedding,
+    reused block, q/k/v fan-in, recurrent cell, scanned stack)."""
+    _, params, loss_fn, batch = _setup(name, jnp.float32)
+    scaler = alj.adaptive(compute_dtype="float16", groups="module", same_step=True)
+    groups = alj.param_groups(params, scaler)
+    rng = np.random.default_rng(3)
+    log2 = {g: int(rng.integers(-8, 16)) for g in groups}
+    step, state = _grads_through(scaler, loss_fn, params, batch, log2)
+    got, new_state, stats = step(state, params, *batch)
+    _, program, _ = alj._adaptive.trace(loss_fn, scaler, params, batch, {})
+    assert program.live.groups  # some regions chose their own scales
+    assert any(float(stats.log2_scales[g]) != log2[g] for g in program.live.groups)
+    assert bool(new_state[0].base.last_applied)
+    assert_fp32_trees_close(got, jax.grad(loss_fn)(params, *batch))
+
+
+def test_under_a_checkpoint_of_the_loss_the_plan_holds_and_stays_exact():
+    params, step, state = _chain({"": 3, "d1": 5, "d2": 12})
+    loss = jax.checkpoint(lambda p, x, y=None: _chain_loss(p, x))
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
+                          retries=0)
+    _, program, _ = alj._adaptive.trace(loss, scaler, params, (jnp.asarray(_X),), {})
+    assert program.live.groups == ()
+    step, state = _grads_through(scaler, loss, params, (jnp.asarray(_X),),
+                                 {"": 3, "d1": 5, "d2": 12})
+    got, _, stats = step(state, params, jnp.asarray(_X), _Y)
+    assert float(stats.log2_scales["d1"]) == 5.0
+    assert_fp32_trees_close(got, jax.grad(_chain_loss)(params, jnp.asarray(_X)))
+
+
+def test_a_vmap_inside_the_loss_decides_on_the_whole_batch():
+    """A per-example loss under vmap: the decider sees the batched cotangent, so its
+    choice is the batch's (the largest example's), and the gradient stays exact."""
+    params, _, _ = _chain()
+
+    def per_example(p, x, y=None):
+        return jnp.sum(jax.vmap(lambda xi: _d2(p["d2"], _d1(p["d1"], xi)))(x) * _C)
+
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
+                          retries=0)
+    step, state = _grads_through(scaler, per_example, params, (jnp.asarray(_X),),
+                                 {"": 0, "d1": 0, "d2": 0})
+    got, _, stats = step(state, params, jnp.asarray(_X), _Y)
+    assert float(stats.log2_scales["d2"]) == _target(np.abs(_C).max())
+    assert_fp32_trees_close(got, jax.grad(_chain_loss)(params, jnp.asarray(_X)))
+
+
+# -------------------------------------------------------------------- devices
+
+
+def _square_loss(p, x):  # (a cotangent that grows with the input)
+    return jnp.sum(_d2(p["d2"], _d1(p["d1"], x)) ** 2) * 2.0**-10
+
+
+@functools.cache
+def _mapped(mesh, check_vma, axis_name):
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
+                          retries=0)
+    tx = alj.adaptive_unscale(scaler, axis_name=axis_name)
+
+    def local(params, state, x):
+        _, grads, stats = alj.adaptive_value_and_grad(_square_loss)(state, params, x)
+        return jax.tree_util.tree_map(lambda a: a[None], stats.log2_scales)
+
+    f = jax.shard_map(local, mesh=mesh, in_specs=(P(), P(), P("data")), out_specs=P("data"),
+                      check_vma=check_vma)
+    return tx, jax.jit(f)
+
+
+@pytest.mark.parametrize("check_vma,axis_name", [(True, None), (False, "data")],
+                         ids=["typed", "untyped-axis_name"])
+def test_devices_choose_one_scale_for_the_gradients_they_share(mesh, check_vma, axis_name):
+    """Each device's shard of the batch is 2**d larger: the deciders take their amax
+    over the devices (one scalar all-reduce each), so every device uses the scale the
+    whole batch calls for, the one a single device picks."""
+    params, _, _ = _chain()
+    n = mesh.devices.size
+    x = np.repeat(_X[:1], 2 * n, axis=0) * np.repeat(2.0 ** np.arange(n), 2)[:, None]
+    tx, f = _mapped(mesh, check_vma, axis_name)
+    state = tx.init(params)
+    rep = NamedSharding(mesh, P())
+    out = f(jax.device_put(params, rep), jax.device_put(state, rep),
+            jax.device_put(x.astype(np.float32), NamedSharding(mesh, P("data"))))
+    for g in ("d1", "d2"):
+        v = np.asarray(out[g])
+        assert np.all(v == v[0]), (g, v)
+    single = jax.jit(alj.adaptive_value_and_grad(_square_loss))(
+        state, params, jnp.asarray(x[-2:], jnp.float32))[2]  # the largest shard alone
+    for g in ("d1", "d2"):
+        assert float(np.asarray(out[g])[0]) == float(single.log2_scales[g]), g
+
+
+
+class _Outer(nn.Module):
+    """A module with a parameter of its own and a child (linen names it Outer_0/Dense_0)."""
+
+    @nn.compact
+    def __call__(self, x):
+        w = self.param("w", nn.initializers.normal(1.0), (x.shape[-1], 6))
+        h = jnp.tanh(nn.Dense(6)(jnp.tanh(x @ w)))
+        return h @ self.param("v", nn.initializers.normal(1.0), (6, 3))
+
+
+class _Wrapped(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return _Outer()(x)
+
+
+def test_a_child_inside_a_live_parent_converts_between_two_chosen_scales():
+    """The child's input point sits between the parent's region and the child's: both
+    scales are chosen later in the forward order than it, and it receives both through
+    tokens; the gradient stays exact."""
+    model = _Wrapped()
+    params = model.init(jax.random.key(0), jnp.asarray(_X))["params"]
+
+    def loss(p, x, y=None):
+        return jnp.sum(model.apply({"params": p}, x) * _C)
+
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
+                          retries=0)
+    _, program, _ = alj._adaptive.trace(loss, scaler, params, (jnp.asarray(_X),), {})
+    assert set(program.live.groups) == {"_Outer_0", "_Outer_0/Dense_0"}
+    assert any(len(n) == 2 for n in program.live.needs.values())  # both sides by token
+    step, state = _grads_through(scaler, loss, params, (jnp.asarray(_X),),
+                                 {"": 2, "_Outer_0": -3, "_Outer_0/Dense_0": 9})
+    got, _, stats = step(state, params, jnp.asarray(_X), _Y)
+    assert float(stats.log2_scales["_Outer_0"]) == _target(np.abs(_C).max())
+    assert_fp32_trees_close(got, jax.grad(loss)(params, jnp.asarray(_X)))

@@ -378,9 +378,9 @@ def adaptive_value_and_grad(
 def _limits(prior: AdaptiveScaleState, g: str) -> jax.Array:
     """What a live region's decider bounds its choice by (:func:`_channel.decide`):
     ``[headroom, prior, planned]``, the prior being the rule's scale once the group
-    was measured (+inf before)."""
+    was measured or overflowed (+inf before)."""
     planned = prior.log2_scales[g]
-    measured = prior.log2_amax[g] > -jnp.inf
+    measured = (prior.log2_amax[g] > -jnp.inf) | prior.overflowed[g]
     return jnp.stack([jnp.ceil(prior.headroom[g]), jnp.where(measured, planned, jnp.inf),
                       planned]).astype(jnp.float32)
 

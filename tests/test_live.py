@@ -159,6 +159,19 @@ def test_the_choice_never_rises_above_the_rules_scale_once_measured():
                                                  float(ad.log2_scales["d2"]))
 
 
+def test_after_an_overflow_before_any_measurement_the_back_off_caps_the_choice():
+    """A group whose first pass overflowed (inside the module: its parameter
+    gradients) has no measured peak yet; its back-off still caps the choice, or the
+    decider would choose the overflowing scale again on every pass."""
+    params, step, state = _chain()
+    ad = state[0].with_log2_scales({"d2": 5})
+    flags = jnp.array([False, False, True])
+    ad = ad.replace(overflowed=alj.GroupVector(ad.groups, flags))
+    assert float(ad.log2_amax["d2"]) == -math.inf
+    _, _, stats = step((ad, state[1]), params, jnp.asarray(_X), _Y)
+    assert float(stats.log2_scales["d2"]) == 5.0
+
+
 def test_same_step_off_keeps_the_prior_scales():
     params = {"d1": {"w": jnp.asarray(_W1)}, "d2": {"w": jnp.asarray(_W2)}}
     scaler = alj.adaptive(groups="module", compute_dtype="float16", retries=0)

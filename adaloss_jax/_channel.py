@@ -355,8 +355,8 @@ def decide(cts: tuple, ly, limits: jax.Array, cfg: LiveConfig, dummy_axes=frozen
 
         A     = amax(cts) / 2**ly                       # over the devices that share it
         s     = floor(target - log2 A) - headroom        # target = log2 x_max - margin
-        s     = min(s, prior)                            # prior: the rule's scale, +inf
-                                                         # before anything was measured or overflowed
+        s     = min(s, prior)      # prior: the rule's scale (+inf until the group was
+                                   # measured or overflowed)
         s     = prior   where A is 0 or not finite       (nothing to measure by)
         s     = clip(s, log2 min_loss_scale, log2 max_loss_scale)
 

@@ -399,7 +399,8 @@ def _decode(program: _apply.Program, sites, rows, used: GroupVector,
                   [_channel.Row(_stream.at(s.row.y, i), _stream.at(s.row.x, i),
                                 s.row.y_max, s.row.x_max) for i in range(s.lead[s.layer_axis])])
     return _channel.decode(specs, values, used, program.columns, scaler.format.max,
-                           planned=planned if program.live.groups else None)
+                           planned=planned if program.live.groups else None,
+                           fmt_min=scaler.format.min_subnormal)
 
 
 def _unscaled(attempt: Callable, state: AdaptiveScaleState):
@@ -693,7 +694,9 @@ def _measured(state: AdaptiveScaleState, stats: ScaleStats, p_amax, loss,
         sumsq=_reduce(full(stats.sumsq, 0.0, jnp.float32), jax.lax.psum, axis_name),
         count=_reduce(full(stats.count, 0.0, jnp.float32), jax.lax.psum, axis_name),
         hist=_reduce(None if stats.hist is None else full(stats.hist, 0.0, jnp.float32).T,
-                     jax.lax.psum, axis_name))
+                     jax.lax.psum, axis_name),
+        flushed=None if stats.flushed is None else _reduce(
+            stats.flushed.astype(jnp.int32), jax.lax.pmax, axis_name) > 0)
 
 
 def adaptive_unscale(

@@ -236,8 +236,8 @@ def _shift_hist(hist: jax.Array, k) -> jax.Array:
 
 
 def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
-           columns: Columns, fmt_max: float, planned: GroupVector | None = None
-           ) -> ScaleStats:
+           columns: Columns, fmt_max: float, planned: GroupVector | None = None,
+           fmt_min: float | None = None) -> ScaleStats:
     """Rows -> per-group statistics, each at its group's scale.
 
     A row counts for every group anchoring either of its sides, shifted to that group's
@@ -326,8 +326,18 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     p_grp = [gi[g] for s in sets for g in s]
     bad_v = jax.ops.segment_max(started[jnp.asarray(p_set)].astype(jnp.int32),
                                 jnp.asarray(p_grp), ng) > 0
+    # A row stored in the scaler's format (where it rounds, or where the model computes
+    # in it) that arrived non-zero and flushed entirely there: one scale lost it.
+    flushed = jnp.asarray(False)
+    stored_in = [i for i, r in enumerate(rows) if r.x_max == fmt_max]
+    if fmt_min is not None and stored_in:
+        idx = jnp.asarray(stored_in, jnp.int32)
+        x_of = jnp.asarray([si[rows[i].x] for i in stored_in], jnp.int32)
+        arrived = m[idx, _AMAX]
+        stored = arrived * _formats.pow2(sigma_vec[x_of] - sigma_vec[y_set[idx]])
+        flushed = jnp.any((arrived > 0) & (stored < fmt_min / 2))
     return ScaleStats(used, vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
-                      sumsq=sumsq, count=count, hist=hist)
+                      sumsq=sumsq, count=count, hist=hist, flushed=flushed)
 
 
 # ------------------------------------------------------------------ same-step scales

@@ -16,6 +16,7 @@ from adaloss_jax._state import (
     HEALTH_NOTHING_MEASURED,
     HEALTH_PINNED_LOW,
     HEALTH_SKIPPING,
+    HEALTH_SPAN,
     AdaptiveScaleState,
     split_slot,
 )
@@ -168,6 +169,12 @@ _HEALTH_TEXT = {
         "nothing was measured at max_loss_scale: the gradients are exactly zero (the loss "
         "does not depend on the parameters, or everything is frozen); check that the loss "
         "function returns a loss computed from params."
+    ),
+    HEALTH_SPAN: (
+        "one global scale cannot hold this model's gradients: their amax at the module "
+        "boundaries spread over more binades than grad_dtype holds, so the smallest "
+        "flush to zero whatever the scale (the step is applied with them flushed). Give "
+        "each module its own scale: adaloss_jax.adaptive(groups='module', ...)."
     ),
     HEALTH_FOREIGN_GRADS: (
         "the gradients handed to tx.update are not the ones its scale_stats were measured "

@@ -15,6 +15,7 @@ from adaloss_jax._state import (
     HEALTH_NOTHING_MEASURED,
     HEALTH_PINNED_LOW,
     HEALTH_SKIPPING,
+    HEALTH_SPAN,
     AdaptiveScaleState,
     GroupVector,
 )
@@ -38,6 +39,8 @@ class Measured(NamedTuple):
       loss_finite: bool scalar.
       sumsq, count: sum of squares and element count (``statistic="gaussian"``).
       hist: ``(groups, NBINS)`` binade histogram (``statistic="quantile"``).
+      flushed: bool scalar, a cotangent arrived non-zero and flushed entirely where
+        it is stored.
     """
 
     active: jax.Array
@@ -50,6 +53,7 @@ class Measured(NamedTuple):
     sumsq: jax.Array | None = None
     count: jax.Array | None = None
     hist: jax.Array | None = None
+    flushed: jax.Array | None = None
 
 
 def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
@@ -200,6 +204,13 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
               | jnp.where(jnp.any(bad & (log2 <= lo)), HEALTH_PINNED_LOW, 0)
               | jnp.where(jnp.any(act & (amax == 0) & (log2 >= hi)) & ~measured,
                           HEALTH_NOTHING_MEASURED, 0)).astype(jnp.int32)
+    if cfg.groups == "global" and m.flushed is not None:
+        # One scale, as high as the largest gradients allow (within a binade of the
+        # target), flushed a module's cotangent entirely: more span than it can hold.
+        top = jnp.max(jnp.where(act, jnp.log2(amax), -jnp.inf))
+        held = top >= log2_max - cfg.margin - 1
+        health = health | jnp.where(m.loss_finite & m.grads_finite & m.flushed & held,
+                                    HEALTH_SPAN, 0).astype(jnp.int32)
     # A group that measured nothing had everything below u_min / 2 at its scale: a held
     # peak above that is stale (else a blind jump and the peak would alternate).
     flushed = jnp.minimum(prev_amax, math.log2(fmt.min_subnormal) - 1.0 - used)

@@ -23,6 +23,7 @@ from adaloss_jax._policies import initial_state as base_state
 
 HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
 HEALTH_FOREIGN_GRADS = 8
+HEALTH_SPAN = 16
 
 
 def slot_name(group: str, i: int) -> str:
@@ -220,7 +221,8 @@ class AdaptiveScaleState:
       health: int32 bit set, 0 when all is well: ``HEALTH_SKIPPING`` (at least
         ``max_consecutive_skips`` skipped steps in a row), ``HEALTH_PINNED_LOW`` (a group
         overflowed at ``min_loss_scale``), ``HEALTH_NOTHING_MEASURED`` (a group measured
-        nothing at ``max_loss_scale``), ``HEALTH_FOREIGN_GRADS`` (the gradients handed
+        nothing at ``max_loss_scale``), ``HEALTH_SPAN`` (one global scale, held
+        down by the largest gradients, flushed a module's cotangent entirely), ``HEALTH_FOREIGN_GRADS`` (the gradients handed
         to ``update`` were not the ones its ``scale_stats`` were measured with).
         :func:`adaloss_jax.check_health` explains them.
       scaler: the :class:`~adaloss_jax.AdaptiveScale` the state was built with (static).
@@ -307,6 +309,8 @@ class ScaleStats:
       hist: per-binade histogram at the group's scale (``statistic="quantile"``; an array
         ``(NBINS, groups)``), or ``None``.
       nonfinite: whether any measured value or conversion was not finite.
+      flushed: whether a cotangent arrived at a scale point non-zero and flushed
+        entirely where it is stored, below half of ``grad_dtype``'s smallest value.
       verdict: where the gradient function may retry a step (``AdaptiveScale.retries``):
         the rule's next state for the pass these statistics are of (its array fields
         but ``total_retries``) and ``retries``, the passes taken again; the optimizer
@@ -336,6 +340,7 @@ class ScaleStats:
     sumsq: GroupVector | None = None
     count: GroupVector | None = None
     hist: GroupVector | None = None
+    flushed: jax.Array | None = None
     verdict: dict | None = None
     grad_amax: jax.Array | None = None
     fingerprint: str = _static(default="")
@@ -345,7 +350,7 @@ class ScaleStats:
 jax.tree_util.register_dataclass(
     ScaleStats,
     data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist",
-                 "verdict", "grad_amax"],
+                 "flushed", "verdict", "grad_amax"],
     meta_fields=["fingerprint", "origin"],
 )
 

@@ -326,3 +326,45 @@ def test_a_child_inside_a_live_parent_converts_between_two_chosen_scales():
     got, _, stats = step(state, params, jnp.asarray(_X), _Y)
     assert float(stats.log2_scales["_Outer_0"]) == _target(np.abs(_C).max())
     assert_fp32_trees_close(got, jax.grad(loss)(params, jnp.asarray(_X)))
+
+
+# ------------------------------------------- one global scale that cannot hold the span
+
+
+_LAYERS = [alj.scale_group(f"l{i}")(lambda p, x: jax.nn.sigmoid(x @ p["w"]))
+           for i in range(10)]
+
+
+def _deep_loss(p, x, y=None):
+    for i, layer in enumerate(_LAYERS):
+        x = layer(p[f"l{i}"], x)
+    return jnp.sum(x)
+
+
+@functools.cache
+def _deep_health(groups, grad_dtype):
+    rng = np.random.default_rng(7)
+    params = {f"l{i}": {"w": jnp.asarray(rng.normal(size=(16, 16)) * 0.3, jnp.float32)}
+              for i in range(10)}
+    scaler = alj.adaptive(groups=groups, grad_dtype=grad_dtype, simulate=True,
+                          compute_dtype="float16")
+    tx = alj.adaptive_unscale(scaler)
+    state = tx.init(params)
+    x = jnp.asarray(rng.normal(size=(32, 16)), jnp.float32)
+    grad_fn, update = jax.jit(alj.adaptive_value_and_grad(_deep_loss)), jax.jit(tx.update)
+    for _ in range(2):  # (the first step runs at scale 1, below where the top allows)
+        _, grads, stats = grad_fn(state, params, x)
+        _, state = update(grads, state, params, scale_stats=stats)
+    return bool(stats.flushed), alj.check_health(state, warn=False)
+
+
+def test_one_global_scale_that_cannot_hold_the_span_says_module_groups_are_the_fix():
+    """Sigmoid shrinks the cotangent about 2 binades a layer: at the one scale e4m3's
+    max allows for the top layers, the lowest layers' cotangents flush entirely, and the
+    health check says (once, as a warning) that per-module scales are the fix; e5m2's
+    32 binades hold the spread, and per module every group has its own scale."""
+    flushed, msgs = _deep_health("global", "float8_e4m3fn")
+    assert flushed
+    assert len(msgs) == 1 and "groups='module'" in msgs[0]
+    assert _deep_health("global", "float8_e5m2") == (False, [])
+    assert _deep_health("module", "float8_e4m3fn") == (False, [])

@@ -74,6 +74,12 @@ CONFIGS: dict[str, Config] = {
         _ada("e4m3-global", "float16 model, cotangents rounded to fp8 e4m3fn at module "
              "outputs; one statistics-driven scale", groups="global", **_E4M3),
         _ada("e4m3-module", "as e4m3-global with per-module scales", groups="module", **_E4M3),
+        _ada("fp16-ada-same", "float16, adaptive per-module scales chosen in the backward "
+             "pass from the cotangent in hand (same_step=True)", groups="module",
+             same_step=True),
+        _ada("e4m3-same", "as e4m3-module with scales chosen in the backward pass from the "
+             "cotangent in hand (same_step=True)", groups="module", same_step=True,
+             **_E4M3),
         _ada("fp16-ada-block", "float16, adaptive per-layer scales, one per top-level module "
              "(a transformer block), points only at their boundaries", groups="module",
              max_depth=1),
@@ -94,7 +100,8 @@ QUICK = ("fp32", "bf16", "fp16-none", "fp16-dynamic", "fp16-ada-global", "fp16-a
 FULL = {
     "ordinary": ("fp32", "bf16", "fp16-none", "fp16-dynamic", "fp16-ada-global",
                  "fp16-ada-module"),
-    "tiny": tuple(c for c in CONFIGS if CONFIGS[c].kind != "fp8" and c != "fp16-ada-block"),
+    "tiny": tuple(c for c in CONFIGS if CONFIGS[c].kind != "fp8"
+                  and c not in ("fp16-ada-block", "fp16-ada-same", "e4m3-same")),
 }
 # The deep tasks (code-gpt-deep, fmnist-sigmoid): where per-layer scales matter, and the
 # fp8 peer. Their suite runs these, tiny regime only.
@@ -102,8 +109,8 @@ FULL = {
 # config: with max_depth a simulated format rounds only at group boundaries, a weaker
 # simulation than the module configs', so the two would not be comparable.
 DEPTH = ("fp32", "bf16", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module",
-         "fp16-ada-block", "e5m2-global", "e5m2-module", "e4m3-global", "e4m3-module",
-         "fp8-flax", "fp8-current")
+         "fp16-ada-block", "fp16-ada-same", "e5m2-global", "e5m2-module", "e4m3-global",
+         "e4m3-module", "e4m3-same", "fp8-flax", "fp8-current")
 # The scanned deep tasks (code-gpt-deep-scan, fmnist-sigmoid-scan): what a user of a
 # scanned model gets, against both fp8 peers.
 SCANNED = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module", "e4m3-global",

@@ -222,8 +222,9 @@ class AdaptiveScaleState:
         ``max_consecutive_skips`` skipped steps in a row), ``HEALTH_PINNED_LOW`` (a group
         overflowed at ``min_loss_scale``), ``HEALTH_NOTHING_MEASURED`` (a group measured
         nothing at ``max_loss_scale``), ``HEALTH_SPAN`` (one global scale, held
-        down by the largest gradients, flushed a module's cotangent entirely), ``HEALTH_FOREIGN_GRADS`` (the gradients handed
-        to ``update`` were not the ones its ``scale_stats`` were measured with).
+        down by the largest gradients, flushed a module's cotangent entirely),
+        ``HEALTH_FOREIGN_GRADS`` (the gradients handed to ``update`` were not the ones
+        its ``scale_stats`` were measured with).
         :func:`adaloss_jax.check_health` explains them.
       scaler: the :class:`~adaloss_jax.AdaptiveScale` the state was built with (static).
       fingerprint: the parameter paths, ranks and shapes the state was built for

@@ -78,15 +78,31 @@ class Program:
         self.live = self._live() if scaler.same_step else _live.Live()
 
     def _live(self) -> _live.Live:
-        """The regions that choose their scale in the backward pass (:mod:`_live`)."""
+        """The regions that choose their scale in the backward pass (:mod:`_live`).
+
+        A point's place is its *scope* (the ``checkpoint`` body or ``cond`` branch it
+        is evaluated in; a nested ``jit`` is inlined, so it is no scope of its own) and
+        its position there; points inside a scan or a ``shard_map`` of the loss have
+        none (their backward pass runs per iteration or per device)."""
         every = [((s.n, s.pair), s.pair, s.cfg.convert) for s in self.sites()]
-        top, params_order = [], float("inf")
-        for i, eqn in enumerate(self.closed.jaxpr.eqns):
-            kind = self.reader.kind(eqn)
-            if kind == _jaxpr.POINT:
-                top += [((s.n, s.pair), i) for s in self._point_sites(eqn)]
-            elif kind == _jaxpr.PARAMS:
-                params_order = i
+        top: list = []
+        params_at: list = []
+
+        def walk(jaxpr, scope: tuple, prefix: tuple) -> None:
+            for i, eqn in enumerate(jaxpr.eqns):
+                kind, at = self.reader.kind(eqn), prefix + (i,)
+                if kind == _jaxpr.POINT:
+                    top.extend(((s.n, s.pair), (scope, at)) for s in self._point_sites(eqn))
+                elif kind == _jaxpr.PARAMS:
+                    params_at.append((scope, at))
+                elif kind == _jaxpr.INLINE:
+                    walk(_jaxpr.subprograms(eqn)[0].jaxpr, scope, at)
+                elif kind in (_jaxpr.REMAT, _jaxpr.COND):
+                    for b, sub in enumerate(_jaxpr.subprograms(eqn)):
+                        walk(sub.jaxpr, scope + ((id(eqn), b),), ())
+
+        walk(self.closed.jaxpr, (), ())
+        params_order = params_at[0] if len(params_at) == 1 else None
         return _live.analyse(every, top, self.param_pairs, params_order, self.plan.stacked)
 
     # ---------------------------------------------------------------- the rows
@@ -196,7 +212,7 @@ class Program:
             else:
                 subs = _jaxpr.subprograms(eqn)
                 blocks = [take(self._sites_of(s.jaxpr)) for s in subs]
-                outs = self._higher_order(kind, eqn, ins, subs, blocks, ratios)
+                outs = self._higher_order(kind, eqn, ins, subs, blocks, ratios, live)
             for v, x in zip(eqn.outvars, outs):
                 if not isinstance(v, jcore.DropVar):
                     env[v] = x
@@ -256,20 +272,23 @@ class Program:
                     ins[i].ndim - r.ndim)))
         return outs
 
-    def _higher_order(self, kind, eqn, ins, subs, blocks, ratios) -> list:
+    def _higher_order(self, kind, eqn, ins, subs, blocks, ratios, live=None) -> list:
         p = eqn.params
 
-        def body(i):
+        def body(i, ctx=None):
             sub = subs[i]
-            return lambda *a: self._eval(sub.jaxpr, sub.consts, list(a), blocks[i], ratios)
+            return lambda *a: self._eval(sub.jaxpr, sub.consts, list(a), blocks[i], ratios,
+                                         None if ctx is None else ctx._replace(tokens={}))
 
-        if kind == _jaxpr.INLINE:
-            return body(0)(*ins)
-        if kind == _jaxpr.REMAT:
-            return jax.checkpoint(body(0), prevent_cse=p["prevent_cse"],
+        if kind == _jaxpr.INLINE:  # (inlined: the same scope, its tokens too)
+            sub = subs[0]
+            return self._eval(sub.jaxpr, sub.consts, list(ins), blocks[0], ratios, live)
+        if kind == _jaxpr.REMAT:  # a scope of its own: its tokens stay inside
+            return jax.checkpoint(body(0, live), prevent_cse=p["prevent_cse"],
                                   policy=p["policy"])(*ins)
         if kind == _jaxpr.COND:
-            return jax.lax.switch(ins[0], [body(i) for i in range(len(subs))], *ins[1:])
+            return jax.lax.switch(ins[0], [body(i, live) for i in range(len(subs))],
+                                  *ins[1:])
         if kind == _jaxpr.SHARD_MAP:
             return self._shard_map(p, ins, subs[0], blocks[0], ratios)
         assert kind == _jaxpr.SCAN, kind

@@ -10,10 +10,11 @@ backward pass can set its scale where the cotangent enters it::
     border of g   = the other converting points with (g,) on a side (the other entries
                     included), and the parameter conversions into or out of (g,)
     live          = g is no root and no stack slot, and its decider and whole border sit
-                    in the top level of the recorded program, each met once (not inside
-                    a scan, cond, checkpoint or nested jit: there a point is met several
-                    times, or its backward pass runs apart from the others), the decider
-                    strictly after the rest
+                    in one scope of the recorded program (its top level with nested jits
+                    inlined, or one checkpoint body or cond branch), each met once (not
+                    inside a scan or shard_map of the loss: there a point's backward
+                    pass runs per iteration or device), the decider strictly after the
+                    rest
 
 So a module called twice is decided at its second call, whose backward pass runs first;
 the first call's cotangent enters at that scale (an overflow there backs off as any).
@@ -44,7 +45,7 @@ class Live(NamedTuple):
     """The live regions of a program (static).
 
     Attributes:
-      groups: the live groups, in the order of their deciders.
+      groups: the live groups, sorted.
       deciders: ``{site key: group}``, the point that chooses each group's scale.
       needs: ``{site key: groups}``: the live groups whose chosen scale the site's
         backward pass needs (a token each), for every site that needs one.
@@ -80,11 +81,13 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
       every: ``(key, pair, convert)`` of every site occurrence of the program (a point
         met twice, in a jaxpr evaluated twice, is listed twice), ``pair`` its ``(x
         anchors, y anchors)``.
-      top: ``(key, order)`` of the sites of points in the program's top level, ``order``
-        the position of their equation there.
+      top: ``(key, (scope, position))`` of the sites that may decide or receive a
+        choice: ``scope`` the ``checkpoint`` body or ``cond`` branch they are evaluated
+        in (``()``: the top level), ``position`` their place there in the forward
+        order.
       params: per floating parameter leaf, ``None`` or the ``(own, uses)`` anchors its
         conversion goes between.
-      params_order: the position of the parameter point in the top level.
+      params_order: the ``(scope, position)`` of the parameter point (``None``: none).
       stacked: the groups that get a scale per layer.
     """
     order = dict(top)
@@ -109,7 +112,8 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             if g is not None:
                 border.setdefault(g, []).append((PARAMS_KEY, i))
             unfit.update(_per_layer(side))
-    order.update({(PARAMS_KEY, i): params_order for i in range(len(params))})
+    if params_order is not None:
+        order.update({(PARAMS_KEY, i): params_order for i in range(len(params))})
     counts.update({(PARAMS_KEY, i): 1 for i in range(len(params))})
     live: dict[str, tuple] = {}
     for g, keys in entries.items():
@@ -119,7 +123,8 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
         if not all(counts[k] == 1 and k in order for k in rest):
             continue
         d = max(keys, key=order.get)  # the last way in: the first the backward pass meets
-        if all(order[k] < order[d] for k in rest if k != d):
+        scope, at = order[d]
+        if all(order[k][0] == scope and order[k][1] < at for k in rest if k != d):
             live[g] = d
     needs: dict = {}
     for key, (x, y), convert in every:
@@ -134,5 +139,5 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             want = [g for g in dict.fromkeys(map(single, pair)) if g in live]
             if want:
                 needs[(PARAMS_KEY, i)] = tuple(want)
-    groups = tuple(sorted(live, key=lambda g: order[live[g]]))
+    groups = tuple(sorted(live))
     return Live(groups, {d: g for g, d in live.items()}, needs)

@@ -53,6 +53,10 @@ ALL_CONFIGS = {
     "global-block": (jnp.float16, lambda: alj.adaptive(groups="global", max_depth=1)),
     "e4m3-sim": (jnp.float16, lambda: alj.adaptive(groups="module", simulate=True,
                                                    grad_dtype="float8_e4m3fn")),
+    # Scales chosen in the backward pass (same_step=True), with and without the retry loop.
+    "adaptive-same": (jnp.float16, lambda: alj.adaptive(groups="module", same_step=True)),
+    "adaptive-same-r0": (jnp.float16, lambda: alj.adaptive(groups="module", same_step=True,
+                                                           retries=0)),
 }
 HOST_PATTERNS = ("callback", "outfeed", "infeed", " send(", " recv(", "host_compute")
 

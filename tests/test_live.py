@@ -13,9 +13,19 @@ import numpy as np
 import pytest
 from _close import assert_fp32_trees_close
 from flax import linen as nn
+from hypothesis import example, given
+from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_adaptive import CASES, _grads_through, _setup
+from test_transformations import (
+    AROUND,
+    FRONT_ENDS,
+    INSIDE,
+    PROPERTY,
+    build,
+    unscaled_through_optimizer,
+)
 
 import adaloss_jax as alj
 from adaloss_jax import _live
@@ -31,12 +41,20 @@ def _site(key, x, y):
     return (key, (x, y), x != y)
 
 
+def _top(*keys, scope=()):
+    """``(key, (scope, position))`` of sites in one scope, in forward order."""
+    return [(k, (scope, (i,))) for i, k in enumerate(keys)]
+
+
+def _at(i, scope=()):
+    return (scope, (i,))
+
+
 def test_a_chain_is_live_and_each_decider_needs_the_scale_it_arrives_at():
     # Backward order: head (b) first. a's output point converts from (b,) into (a,).
     every = [_site("a_in", ("a",), ("a",)), _site("a_out", ("a",), ("b",)),
              _site("b_in", ("b",), ("b",)), _site("b_out", ("b",), ("",))]
-    top = [("a_in", 0), ("a_out", 1), ("b_in", 2), ("b_out", 3)]
-    live = _live.analyse(every, top, [], 0)
+    live = _live.analyse(every, _top("a_in", "a_out", "b_in", "b_out"), [], _at(0))
     assert live.groups == ("a", "b")
     assert live.deciders == {"a_out": "a", "b_out": "b"}
     assert live.needs == {"a_out": ("b",)}  # its consumer side is b's region
@@ -46,54 +64,59 @@ def test_a_fan_in_keeps_the_plan_and_its_exits_get_tokens():
     # q and k read one value (anchors (k, q)); their exits convert into it.
     every = [_site("q_in", ("k", "q"), ("q",)), _site("k_in", ("k", "q"), ("k",)),
              _site("q_out", ("q",), ("",)), _site("k_out", ("k",), ("",))]
-    top = [("q_in", 0), ("k_in", 1), ("q_out", 2), ("k_out", 3)]
-    live = _live.analyse(every, top, [], 0)
+    live = _live.analyse(every, _top("q_in", "k_in", "q_out", "k_out"), [], _at(0))
     assert set(live.groups) == {"q", "k"}
     assert live.needs == {"q_in": ("q",), "k_in": ("k",)}
 
 
 @pytest.mark.parametrize("case", ["two entries at once", "border after the decider",
-                                  "border nested", "met twice", "per layer", "root",
-                                  "stacked"])
+                                  "border nested", "border in another scope", "met twice",
+                                  "per layer", "root", "stacked"])
 def test_regions_the_backward_pass_cannot_decide_keep_the_plan(case):
     every = [_site("g_in", ("g",), ("g",)), _site("g_out", ("g",), ("",))]
-    top = [("g_in", 0), ("g_out", 1)]
+    top = _top("g_in", "g_out")
     stacked = frozenset()
     if case == "two entries at once":  # two outputs of one call, to two regions
         every.append(_site("g_out2", ("g",), ("h",)))
-        top.append(("g_out2", 1))
+        top.append(("g_out2", _at(1)))
     elif case == "border after the decider":
         every.append(_site("late", ("x", "y"), ("g",)))
-        top.append(("late", 5))
-    elif case == "border nested":  # a border point inside a scan or cond
+        top.append(("late", _at(5)))
+    elif case == "border nested":  # a border point inside a scan or shard_map
         every.append(_site("inner", ("x", "y"), ("g",)))
+    elif case == "border in another scope":  # inside a checkpoint the decider is not in
+        every.append(_site("inner", ("x", "y"), ("g",)))
+        top.append(("inner", _at(0, scope=((7, 0),))))
     elif case == "met twice":  # the decider in a jaxpr evaluated twice
         every.append(_site("g_out", ("g",), ("",)))
     elif case == "per layer":
         every.append(_site("scan", Steps([("g",), ("h",)]), ("h",)))
     elif case == "root":
         every = [_site("r_out", ("",), ("h",))]
-        top = [("r_out", 0)]
+        top = _top("r_out")
     else:
         stacked = frozenset({"g"})
-    assert _live.analyse(every, top, [], 0, stacked).groups == ()
+    assert _live.analyse(every, top, [], _at(0), stacked).groups == ()
 
 
 def test_a_module_called_twice_is_decided_at_its_second_call():
     every = [_site("c1_out", ("g",), ("h",)), _site("c2_out", ("g",), ("",))]
-    live = _live.analyse(every, [("c1_out", 0), ("c2_out", 1)], [], 0)
+    live = _live.analyse(every, _top("c1_out", "c2_out"), [], _at(0))
     assert live.deciders == {"c2_out": "g"}
     assert live.needs == {"c1_out": ("g",)}
 
 
 def test_a_tied_parameter_conversion_is_a_border_point():
     every = [_site("e_out", ("e",), ("",))]
-    top = [("e_out", 3)]
-    live = _live.analyse(every, top, [None, (("e",), ("",))], params_order=0)
+    top = [("e_out", _at(3))]
+    live = _live.analyse(every, top, [None, (("e",), ("",))], params_order=_at(0))
     assert live.groups == ("e",)
     assert live.needs == {(_live.PARAMS_KEY, 1): ("e",)}
-    # A parameter point evaluated after the decider cannot get the choice.
-    assert _live.analyse(every, top, [None, (("e",), ("",))], params_order=9).groups == ()
+    # A parameter point evaluated after the decider, or in another scope, cannot get it.
+    pairs = [None, (("e",), ("",))]
+    assert _live.analyse(every, top, pairs, params_order=_at(9)).groups == ()
+    assert _live.analyse(every, top, pairs, params_order=_at(0, ((1, 0),))).groups == ()
+    assert _live.analyse(every, top, pairs, params_order=None).groups == ()
 
 
 # ------------------------------------------------------------ the choice, in closed form
@@ -213,9 +236,35 @@ def test_fp32_model_exact_under_same_step_scales(name):
     assert_fp32_trees_close(got, jax.grad(loss_fn)(params, *batch))
 
 
-def test_under_a_checkpoint_of_the_loss_the_plan_holds_and_stays_exact():
-    params, step, state = _chain({"": 3, "d1": 5, "d2": 12})
-    loss = jax.checkpoint(lambda p, x, y=None: _chain_loss(p, x))
+@pytest.mark.parametrize("wrap", ["checkpoint", "jit"])
+def test_a_checkpoint_or_jit_of_the_loss_decides_inside_and_stays_exact(wrap):
+    """A checkpointed loss is one scope (its points and their tokens inside it); a
+    nested jit is inlined: either way each module decides, in closed form."""
+    params, _, _ = _chain()
+    inner = lambda p, x: _chain_loss(p, x)  # noqa: E731
+    fn = jax.checkpoint(inner) if wrap == "checkpoint" else jax.jit(inner)
+    loss = lambda p, x, y=None: fn(p, x)  # noqa: E731
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
+                          retries=0)
+    _, program, _ = alj._adaptive.trace(loss, scaler, params, (jnp.asarray(_X),), {})
+    assert program.live.groups == ("d1", "d2")
+    step, state = _grads_through(scaler, loss, params, (jnp.asarray(_X),),
+                                 {"": 3, "d1": 5, "d2": 12})
+    got, _, stats = step(state, params, jnp.asarray(_X), _Y)
+    assert float(stats.log2_scales["d1"]) == _target(np.abs(_C @ _W2.T).max())
+    assert_fp32_trees_close(got, jax.grad(_chain_loss)(params, jnp.asarray(_X)))
+
+
+def test_a_scan_of_the_loss_keeps_the_plan_and_stays_exact():
+    """Inside a scan a point's backward pass runs once per iteration, and a module's
+    parameters are shared by them all: it keeps the rule's scale."""
+    params, _, _ = _chain()
+
+    def loss(p, x, y=None):
+        def body(c, xi):
+            return c + _chain_loss(p, xi[None].repeat(5, 0)) / 5, None
+        return jax.lax.scan(body, 0.0, x)[0]
+
     scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
                           retries=0)
     _, program, _ = alj._adaptive.trace(loss, scaler, params, (jnp.asarray(_X),), {})
@@ -224,7 +273,7 @@ def test_under_a_checkpoint_of_the_loss_the_plan_holds_and_stays_exact():
                                  {"": 3, "d1": 5, "d2": 12})
     got, _, stats = step(state, params, jnp.asarray(_X), _Y)
     assert float(stats.log2_scales["d1"]) == 5.0
-    assert_fp32_trees_close(got, jax.grad(_chain_loss)(params, jnp.asarray(_X)))
+    assert_fp32_trees_close(got, jax.grad(loss)(params, jnp.asarray(_X)))
 
 
 def test_a_vmap_inside_the_loss_decides_on_the_whole_batch():
@@ -368,3 +417,24 @@ def test_one_global_scale_that_cannot_hold_the_span_says_module_groups_are_the_f
     assert len(msgs) == 1 and "groups='module'" in msgs[0]
     assert _deep_health("global", "float8_e5m2") == (False, [])
     assert _deep_health("module", "float8_e4m3fn") == (False, [])
+
+
+# ------------------------------------------------ every front end and transformation
+
+
+@PROPERTY
+@given(front_end=st.sampled_from(FRONT_ENDS), around=st.sampled_from(AROUND),
+       inside=st.sampled_from(INSIDE), seed=st.integers(0, 2**16))
+@example(front_end="linen", around="none", inside="none", seed=0)
+def test_fp32_gradients_exact_under_same_step_scales_and_transformations(
+        front_end, around, inside, seed):
+    """Whatever the prior scales, front end and transformation around and inside the
+    model: the regions that decide in the backward pass, those that keep the plan, and
+    the tokens between them leave the fp32 gradient unchanged."""
+    scaler = alj.adaptive(compute_dtype="float16", groups="module", max_rise=1000,
+                          same_step=True)
+    case = build(front_end, around, inside, jnp.float32, scaler)
+    rng = np.random.default_rng(seed)
+    log2 = {g: int(rng.integers(-8, 16)) for g in case.state.groups}
+    unscaled, _ = unscaled_through_optimizer(case, scaler, log2)
+    assert_fp32_trees_close(unscaled, case.reference())

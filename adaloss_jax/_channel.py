@@ -104,8 +104,20 @@ def _binade_hist(cts: tuple[jax.Array, ...], lo: int) -> jax.Array:
     return hist.astype(jnp.float32)
 
 
-def measure(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig) -> jax.Array:
-    """The statistics row of the arriving cotangents ``cts``.
+def magnitude(cts: tuple[jax.Array, ...]) -> jax.Array:
+    """The largest magnitude of ``cts`` in fp32 (0 for none), as ``max(max(ct),
+    -min(ct))`` (see :func:`measure`)."""
+    amax = jnp.zeros((), jnp.float32)
+    for ct in cts:
+        if ct.size:
+            amax = jnp.maximum(amax, jnp.maximum(jnp.max(ct).astype(jnp.float32),
+                                                 -jnp.min(ct).astype(jnp.float32)))
+    return amax
+
+
+def measure(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig, amax=None) -> jax.Array:
+    """The statistics row of the arriving cotangents ``cts`` (``amax``: their
+    :func:`magnitude`, if already taken).
 
     The magnitude maximum is ``max(max(ct), -min(ct))``: two reductions straight over
     the cotangent (XLA's CPU backend does not fuse an elementwise producer into a
@@ -120,18 +132,13 @@ def measure(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig) -> jax.Array:
     (``BAD_X`` is ``BAD_Y`` where nothing converts or rounds): these ops are repeated at
     every point of the program.
     """
-    amax = None
+    if amax is None:
+        amax = magnitude(cts)
     sumsq = jnp.zeros((), jnp.float32)
-    for ct in cts:
-        if ct.size == 0:
-            continue
-        a = jnp.maximum(jnp.max(ct).astype(jnp.float32), -jnp.min(ct).astype(jnp.float32))
-        amax = a if amax is None else jnp.maximum(amax, a)
-        if cfg.columns.sumsq:
+    if cfg.columns.sumsq:
+        for ct in cts:
             c = ct.astype(jnp.float32)
             sumsq = sumsq + jnp.sum(c * c)
-    if amax is None:
-        amax = jnp.zeros((), jnp.float32)
     bad_y = jnp.logical_not(amax <= cfg.y_max)
     if cfg.convert or cfg.x_max != cfg.y_max:
         bad_x = jnp.logical_not(amax * ratio <= cfg.x_max)
@@ -358,10 +365,10 @@ class LiveConfig(NamedTuple):
     axes: tuple = ()  # mapped axes to agree over where the types do not say (check_vma off)
 
 
-def decide(cts: tuple, ly, limits: jax.Array, cfg: LiveConfig, dummy_axes=frozenset()
-           ) -> jax.Array:
-    """The log2 scale a live region gets from the cotangent arriving at its decider
-    (at scale ``2**ly``)::
+def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
+           dummy_axes=frozenset()) -> jax.Array:
+    """The log2 scale a live region gets from the cotangents ``cts`` arriving at its
+    decider (at scale ``2**ly``; ``amax``: their :func:`magnitude` on this device)::
 
         A     = amax(cts) / 2**ly                       # over the devices that share it
         s     = floor(target - log2 A) - headroom        # target = log2 x_max - margin
@@ -373,11 +380,6 @@ def decide(cts: tuple, ly, limits: jax.Array, cfg: LiveConfig, dummy_axes=frozen
     ``limits = [headroom, prior, planned]``; the prior holds the growth inside the
     module the rule has measured (its scale is set from the module's largest value, not
     only its entry's), and after an overflow the rule's back-off."""
-    amax = jnp.zeros((), jnp.float32)
-    for ct in cts:
-        if ct.size:
-            amax = jnp.maximum(amax, jnp.maximum(jnp.max(ct).astype(jnp.float32),
-                                                 -jnp.min(ct).astype(jnp.float32)))
     axes = set()
     for c in cts:
         axes |= _varying_axes(c)
@@ -415,15 +417,16 @@ def _live_point_bwd(cfg, res, cts):
     cts, emitted = cts
     pc = cfg.point
     ly = base[1] if cfg.y_token is None else emitted[cfg.y_token]
+    amax = magnitude(cts)
     if cfg.decides:
-        lx = decide(cts, ly, limits, cfg, pc.dummy_axes)
+        lx = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)
     else:
         lx = base[0] if cfg.x_token is None else emitted[cfg.x_token]
     ratio = _formats.pow2(lx) / _formats.pow2(ly)
     out = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
     if pc.simulate is not None:
         out = tuple(_formats.round_to(c, pc.simulate) for c in out)
-    row = (_over_devices(measure(cts, ratio, pc), cts, pc.dummy_axes) if pc.measure
+    row = (_over_devices(measure(cts, ratio, pc, amax), cts, pc.dummy_axes) if pc.measure
            else None)
     mine = lx if cfg.decides else jnp.zeros((), jnp.float32)
     return (out, jnp.zeros_like(base), jnp.zeros_like(limits), row, mine,

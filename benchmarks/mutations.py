@@ -23,6 +23,30 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 # name: (file, text, replacement, tests that must fail, what it breaks)
 MUTATIONS = {
+    "same-step-devices-disagree": (
+        "adaloss_jax/_channel.py",
+        "        amax = jax.lax.pmax(amax, axes)",
+        "        amax = amax",
+        ["tests/test_live.py"],
+        "same-step deciders choose per device, not over the devices sharing the gradient"),
+    "same-step-prior-ignored": (
+        "adaloss_jax/_channel.py",
+        "    s = jnp.minimum(jnp.floor(cfg.target - (jnp.log2(amax) - ly)) - headroom, prior)",
+        "    s = jnp.floor(cfg.target - (jnp.log2(amax) - ly)) - headroom",
+        ["tests/test_live.py"],
+        "a same-step choice rises above the rule's scale (its back-off, the growth seen)"),
+    "same-step-arrival-token-ignored": (
+        "adaloss_jax/_channel.py",
+        "    ly = base[1] if cfg.y_token is None else emitted[cfg.y_token]",
+        "    ly = base[1]",
+        ["tests/test_live.py"],
+        "a point reads the planned scale of its consumer side where that region decided"),
+    "same-step-exit-token-ignored": (
+        "adaloss_jax/_channel.py",
+        "        lx = base[0] if cfg.x_token is None else emitted[cfg.x_token]",
+        "        lx = base[0]",
+        ["tests/test_live.py"],
+        "a point converts into a region that decided at the region's planned scale"),
     "max-as-sum": (
         "adaloss_jax/_channel.py",
         "jnp.concatenate([jnp.max(rows[..., :_MAXED], axis=axes),",

@@ -242,15 +242,16 @@ class Program:
         group = self.live.deciders.get(key)
         x, y = (_live.single(a) for a in pair)
         sc = self.scaler
-        lcfg = _channel.LiveConfig(
-            cfg, x_token=needs.index(x) if x in needs else None,
-            y_token=needs.index(y) if y in needs else None, emits=len(needs),
-            decides=group is not None, target=math.log2(cfg.x_max) - sc.margin,
-            lo=math.log2(sc.min_loss_scale), hi=math.log2(sc.max_loss_scale), axes=live.axes)
-        base = jnp.stack([jnp.asarray(live.sigma[a], jnp.float32) for a in pair])
         limits, chosen = (live.inputs[group] if group is not None
                           else (jnp.zeros((3,), jnp.float32), jnp.zeros((), jnp.float32)))
         taken = tuple(live.tokens.pop(group, ())) if group is not None else ()
+        lcfg = _channel.LiveConfig(
+            cfg, x_token=needs.index(x) if x in needs else None,
+            y_token=needs.index(y) if y in needs else None, emits=len(needs),
+            decides=group is not None, takes=len(taken),
+            target=math.log2(cfg.x_max) - sc.margin,
+            lo=math.log2(sc.min_loss_scale), hi=math.log2(sc.max_loss_scale), axes=live.axes)
+        base = jnp.stack([jnp.asarray(live.sigma[a], jnp.float32) for a in pair])
         ys, emitted = _channel.live_point(lcfg, xs, base, limits, dummy, chosen, taken)
         for g, t in zip(needs, emitted):
             live.tokens.setdefault(g, []).append(t)

@@ -359,6 +359,7 @@ class LiveConfig(NamedTuple):
     y_token: int | None  # the same for the y side (None: the planned one)
     emits: int  # tokens emitted (one per live group whose scale it needs)
     decides: bool  # it chooses the x side's scale (the decider of a live region)
+    takes: int = 0  # tokens the decider takes (one per point that needs its choice)
     target: float = 0.0  # log2 of the largest value the decider aims at (x_max, margin)
     lo: float = -math.inf  # bounds of every scale (log2)
     hi: float = math.inf
@@ -374,18 +375,16 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
         s     = floor(target - log2 A) - headroom        # target = log2 x_max - margin
         s     = min(s, prior)      # prior: the rule's scale (+inf until the group was
                                    # measured or overflowed)
-        s     = prior   where A is 0 or not finite       (nothing to measure by)
+        s     = planned where A is 0 or not finite       (nothing to measure by: the
+                                                         rule's scale)
         s     = clip(s, log2 min_loss_scale, log2 max_loss_scale)
 
     ``limits = [headroom, prior, planned]``; the prior holds the growth inside the
     module the rule has measured (its scale is set from the module's largest value, not
     only its entry's), and after an overflow the rule's back-off."""
-    axes = set()
-    for c in cts:
-        axes |= _varying_axes(c)
-    axes = tuple(sorted(axes - dummy_axes))
-    if not axes and not any(_varying_axes(c) for c in cts):
-        axes = cfg.axes  # untyped (check_vma=False): the optimizer's axis_name
+    varying = set().union(*(_varying_axes(c) for c in cts))
+    axes = tuple(sorted(varying - dummy_axes)) if varying else cfg.axes  # (untyped, as
+    # under check_vma=False: the optimizer's axis_name)
     if axes:  # one scale for every device whose gradients are summed
         amax = jax.lax.pmax(amax, axes)
     headroom, prior, planned = limits[0], limits[1], limits[2]
@@ -409,11 +408,11 @@ def live_point(cfg: LiveConfig, xs: tuple, base: jax.Array, limits: jax.Array,
 def _live_point_fwd(cfg, xs, base, limits, dummy, chosen, taken):
     del dummy, chosen
     tokens = tuple(jnp.zeros((), jnp.float32) for _ in range(cfg.emits))
-    return (xs, tokens), (base, limits, len(taken))
+    return (xs, tokens), (base, limits)
 
 
 def _live_point_bwd(cfg, res, cts):
-    base, limits, n_taken = res
+    base, limits = res
     cts, emitted = cts
     pc = cfg.point
     ly = base[1] if cfg.y_token is None else emitted[cfg.y_token]
@@ -430,7 +429,7 @@ def _live_point_bwd(cfg, res, cts):
            else None)
     mine = lx if cfg.decides else jnp.zeros((), jnp.float32)
     return (out, jnp.zeros_like(base), jnp.zeros_like(limits), row, mine,
-            tuple(mine for _ in range(n_taken)))
+            tuple(mine for _ in range(cfg.takes)))
 
 
 live_point.defvjp(_live_point_fwd, _live_point_bwd)

@@ -98,17 +98,18 @@ class AdaptiveScale:
         move, and the next step is computed at them. ``None``: ``log2(factor) + 1``: the
         step after a single backoff (back by ``log2(factor)``, plus a binade the
         statistics may have moved) is applied.
-      same_step: ``True``: where a module's region of the backward stream has one way
-        in (its call's output scale point) and every other point on its border is
-        evaluated before it, its scale is chosen at that point from the cotangent it
-        receives, in the same backward pass: the largest power of two keeping that
-        cotangent ``margin`` binades and the learned headroom below the format's max,
-        never above the scale the rule set for the step (which already allows for the
-        growth inside the module measured so far). The other points on the region's
-        border receive the chosen scale from it (docs: concepts, same-step scales), and
-        the unscale divides by it. Regions it cannot decide (several ways in, inside a
-        scan, a ``cond`` or a ``checkpoint`` of the loss, stacks of layers, fan-ins)
-        keep the rule's scale. Needs ``groups="module"`` and ``statistic="amax"``.
+      same_step: ``True``: each module's region of the backward stream chooses its
+        scale where the backward pass first reaches it (its call's output point), from
+        the cotangent arriving there, in the same backward pass: the largest power of
+        two keeping that cotangent ``margin`` binades and the learned headroom below
+        the format's max, never above the scale the rule set for the step once the
+        group was measured or overflowed (that scale holds the growth inside the
+        module seen so far, and the back-off). The other points on the region's border
+        receive the choice from it (docs: concepts, same-step scales), and the unscale
+        divides by it. Regions whose border is not all in one scope (a point inside a
+        scan or ``shard_map`` of the loss, or in another ``checkpoint`` body or
+        ``cond`` branch), stacks of layers, the root and fan-ins keep the rule's scale.
+        Needs ``groups="module"`` and ``statistic="amax"``.
       retries: a step the rule would skip while it moves a scale (an overflow backed
         off, a step computed far below the scales its statistics call for, the first
         step at ``initial_scale``) is computed again inside the same step, at the new

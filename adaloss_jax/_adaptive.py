@@ -227,6 +227,14 @@ WIDE_MODEL = (
     "the same, compute_dtype='float16'")
 
 
+SAME_STEP_NONE = (
+    "adaloss_jax: same_step=True, but no module's region of this loss can choose its "
+    "scale in the backward pass (every one has a point on its border inside a scan or "
+    "shard_map of the loss, in another checkpoint body or cond branch, or met twice, or "
+    "is a stack of layers): every scale is the rule's, as with same_step=False. Call the "
+    "modules outside the scan (or checkpoint) that holds them, or pass same_step=False")
+
+
 def _plan(rec: _record.Recording, scaler: AdaptiveScale, owners: list,
           stacks: dict) -> _stream.Plan:
     keep = rec.rounding if scaler.simulate else frozenset()
@@ -359,6 +367,8 @@ def adaptive_value_and_grad(
                                               for g in groups], split=True)
             return value, grads, _decode(program, sites, rows, actual, scaler, used)
 
+        if scaler.same_step and not program.live.groups and len(groups) > 1:
+            _policies.notice_once("same-step-none", SAME_STEP_NONE)
         if _wide(rec, scaler):
             (loss, aux), grads, stats = _unscaled(attempt, state)
         elif scaler.retries:

@@ -61,8 +61,8 @@ def messages() -> list[tuple[str, str]]:
                 call = node
             if call is None or not call.args:
                 continue
-            text = _message(call.args[-1] if getattr(call.func, "id", "") == "notice_once"
-                            else call.args[0], named)
+            name = getattr(call.func, "id", getattr(call.func, "attr", ""))
+            text = _message(call.args[-1] if name == "notice_once" else call.args[0], named)
             if text:
                 out.append((f"{path.relative_to(ROOT)}:{node.lineno}", text))
     return out

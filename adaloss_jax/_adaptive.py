@@ -410,7 +410,8 @@ def _decode(program: _apply.Program, sites, rows, used: GroupVector,
                                 s.row.y_max, s.row.x_max) for i in range(s.lead[s.layer_axis])])
     return _channel.decode(specs, values, used, program.columns, scaler.format.max,
                            planned=planned if program.live.groups else None,
-                           fmt_min=scaler.format.min_subnormal)
+                           fmt_min=scaler.format.min_subnormal if scaler.groups == "global"
+                           else None)  # (only one global scale reads ``flushed``)
 
 
 def _unscaled(attempt: Callable, state: AdaptiveScaleState):

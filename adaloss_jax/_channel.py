@@ -381,16 +381,24 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
 
     ``limits = [headroom, prior, planned]``; the prior holds the growth inside the
     module the rule has measured (its scale is set from the module's largest value, not
-    only its entry's), and after an overflow the rule's back-off."""
+    only its entry's), and after an overflow the rule's back-off.
+
+    The choice is the result of a conditional (measured or planned), so XLA computes it
+    once: as a plain select, the scalar chain behind it (each decider's input is the
+    choice of the region downstream) would be fused into every kernel that converts or
+    unscales by it, and the compiled step would grow with depth squared."""
     varying = set().union(*(_varying_axes(c) for c in cts))
     axes = tuple(sorted(varying - dummy_axes)) if varying else cfg.axes  # (untyped, as
     # under check_vma=False: the optimizer's axis_name)
     if axes:  # one scale for every device whose gradients are summed
         amax = jax.lax.pmax(amax, axes)
     headroom, prior, planned = limits[0], limits[1], limits[2]
-    s = jnp.minimum(jnp.floor(cfg.target - (jnp.log2(amax) - ly)) - headroom, prior)
-    s = jnp.where((amax > 0) & (amax < jnp.inf), s, planned)
-    return jnp.clip(s, cfg.lo, cfg.hi)
+    def measured():
+        s = jnp.minimum(jnp.floor(cfg.target - (jnp.log2(amax) - ly)) - headroom, prior)
+        return jnp.clip(s, cfg.lo, cfg.hi)
+
+    return jax.lax.cond((amax > 0) & (amax < jnp.inf), measured,
+                        lambda: jnp.clip(planned, cfg.lo, cfg.hi))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

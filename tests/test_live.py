@@ -10,6 +10,7 @@ import math
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 from _close import assert_fp32_trees_close
 from flax import linen as nn
@@ -193,6 +194,43 @@ def test_after_an_overflow_before_any_measurement_the_back_off_caps_the_choice()
     assert float(ad.log2_amax["d2"]) == -math.inf
     _, _, stats = step((ad, state[1]), params, jnp.asarray(_X), _Y)
     assert float(stats.log2_scales["d2"]) == 5.0
+
+
+def _hlo_size(depth: int, same_step: bool) -> int:
+    """Instructions in the optimized HLO of one jitted same-step (or delayed) step of a
+    chain of ``depth`` fp16 modules, each a live region."""
+    layers = [alj.scale_group(f"l{i}")(lambda p, x: jnp.tanh(x @ p["w"]))
+              for i in range(depth)]
+
+    def loss(p, x):
+        for i, layer in enumerate(layers):
+            x = layer(p[f"l{i}"], x)
+        return jnp.sum(x.astype(jnp.float32))
+
+    params = {f"l{i}": {"w": jnp.eye(4, dtype=jnp.float16)} for i in range(depth)}
+    scaler = alj.adaptive(groups="module", same_step=same_step, retries=0)
+    tx = optax.chain(alj.adaptive_unscale(scaler), optax.sgd(0.1))
+
+    def step(state, p, x):
+        value, grads, stats = alj.adaptive_value_and_grad(loss)(state, p, x)
+        return tx.update(grads, state, p, loss=value, scale_stats=stats)
+
+    x = jnp.ones((2, 4), jnp.float16)
+    text = jax.jit(step).lower(tx.init(params), params, x).compile().as_text()
+    return sum(" = " in line for line in text.splitlines())
+
+
+def test_a_chosen_scale_is_computed_once_not_copied_into_every_kernel_that_reads_it():
+    """Each decider's choice depends on the choice of the region downstream (the scale
+    its cotangent arrives at): were that scalar chain fused into every kernel that
+    converts or unscales by it, the compiled program (and XLA's compile time) would grow
+    with depth squared. Each choice is materialized once (a conditional: measured or
+    planned), so a same-step step grows linearly with depth, by a bounded multiple of
+    what each layer adds under the delayed rule."""
+    same = [_hlo_size(d, True) for d in (6, 12, 18)]
+    delayed = _hlo_size(12, False) - _hlo_size(6, False)
+    assert same[2] - same[1] <= 1.1 * (same[1] - same[0]), same  # linear in depth
+    assert same[1] - same[0] <= 2 * delayed, (same, delayed)
 
 
 def test_same_step_off_keeps_the_prior_scales():

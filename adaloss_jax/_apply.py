@@ -87,23 +87,33 @@ class Program:
         every = [((s.n, s.pair), s.pair, s.cfg.convert) for s in self.sites()]
         top: list = []
         params_at: list = []
+        scans: list = []
 
-        def walk(jaxpr, scope: tuple, prefix: tuple) -> None:
+        def walk(jaxpr, scope: tuple, prefix: tuple, out: list) -> None:
             for i, eqn in enumerate(jaxpr.eqns):
                 kind, at = self.reader.kind(eqn), prefix + (i,)
                 if kind == _jaxpr.POINT:
-                    top.extend(((s.n, s.pair), (scope, at)) for s in self._point_sites(eqn))
+                    out.extend(((s.n, s.pair), (scope, at)) for s in self._point_sites(eqn))
                 elif kind == _jaxpr.PARAMS:
                     params_at.append((scope, at))
                 elif kind == _jaxpr.INLINE:
-                    walk(_jaxpr.subprograms(eqn)[0].jaxpr, scope, at)
+                    walk(_jaxpr.subprograms(eqn)[0].jaxpr, scope, at, out)
                 elif kind in (_jaxpr.REMAT, _jaxpr.COND):
                     for b, sub in enumerate(_jaxpr.subprograms(eqn)):
-                        walk(sub.jaxpr, scope + ((id(eqn), b),), ())
+                        walk(sub.jaxpr, scope + ((id(eqn), b),), (), out)
+                elif kind == _jaxpr.SCAN and id(eqn) in self.plan.scans:
+                    body = _jaxpr.subprograms(eqn)[0].jaxpr
+                    inner: list = []
+                    walk(body, ("scan",), (), inner)  # (its own order: not compared)
+                    keys = frozenset((s.n, s.pair) for s in self._sites_of(body))
+                    scans.append(_live.Scan(
+                        id(eqn), (scope, at), eqn.params["length"], eqn.params["reverse"],
+                        keys, frozenset(k for k, (sc, _) in inner if sc == ("scan",))))
 
-        walk(self.closed.jaxpr, (), ())
+        walk(self.closed.jaxpr, (), (), top)
         params_order = params_at[0] if len(params_at) == 1 else None
-        return _live.analyse(every, top, self.param_pairs, params_order, self.plan.stacked)
+        return _live.analyse(every, top, self.param_pairs, params_order, self.plan.stacked,
+                             scans)
 
     # ---------------------------------------------------------------- the rows
 
@@ -240,7 +250,8 @@ class Program:
         group (all emitted before it: :mod:`adaloss_jax._live`)."""
         needs = self.live.needs.get(key, ())
         group = self.live.deciders.get(key)
-        x, y = (_live.single(a) for a in pair)
+        x, y = ((_live.CHAIN_X, _live.CHAIN_Y) if group == _live.CHAIN_X
+                else (_live.single(a) for a in pair))
         sc = self.scaler
         limits, chosen = (live.inputs[group] if group is not None
                           else (jnp.zeros((3,), jnp.float32), jnp.zeros((), jnp.float32)))
@@ -292,7 +303,7 @@ class Program:
         if kind == _jaxpr.SHARD_MAP:
             return self._shard_map(p, ins, subs[0], blocks[0], ratios)
         assert kind == _jaxpr.SCAN, kind
-        return self._scan(eqn, ins, subs[0], blocks[0], ratios)
+        return self._scan(eqn, ins, subs[0], blocks[0], ratios, live)
 
     def _shard_map(self, p, ins, sub, block, ratios) -> list:
         """Rebuilt with the same specs; each row's dummy enters split over the devices
@@ -313,9 +324,12 @@ class Program:
                              out_specs=p["out_specs"], check_vma=p["check_vma"],
                              axis_names=set(axes))(*ins, *block)
 
-    def _scan(self, eqn, ins, sub, block, ratios) -> list:
+    def _scan(self, eqn, ins, sub, block, ratios, live=None) -> list:
         """Rebuilt with the same length, direction and unrolling; over a stack of layers
-        the ratios that vary by layer enter as scanned inputs, a value per layer."""
+        the ratios that vary by layer enter as scanned inputs, a value per layer. Over
+        a :class:`~adaloss_jax._live.Chain` each layer decides at its exit: its planned
+        scales, limits and ``chosen`` input enter per layer too, and the token of the
+        layer executed next rides in the carry."""
         p = eqn.params
         nc, ncar = p["num_consts"], p["num_carry"]
         consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
@@ -323,17 +337,37 @@ class Program:
         if id(eqn) in self.plan.scans:
             layered = sorted({s.pair for s in self._sites_of(sub.jaxpr) if _varies(s.pair)
                               and s.cfg.convert}, key=repr)
+        chain = None if live is None else self.live.chains.get(id(eqn))
+        per_layer, token = (), jnp.zeros((), jnp.float32)
+        if chain is not None:
+            x, y = chain.decider[1]
+            per_layer = (live.sigma[x], live.sigma[y],
+                         jnp.stack([live.inputs[g][0] for g in chain.slots]),
+                         jnp.stack([live.inputs[g][1] for g in chain.slots]))
+            token = sum(live.tokens.pop(chain.slots[chain.first], []), token)
 
         def step(carry, x):
-            xs_i, rows_i, ratios_i = x
+            (*carry, token), (xs_i, rows_i, ratios_i, layer) = carry, x
             here = {**ratios, **dict(zip(layered, ratios_i))}
+            ctx = None
+            if chain is not None:
+                sx, sy, limits, chosen = layer
+                ax, ay = chain.decider[1]
+                ctx = live._replace(sigma={**live.sigma, ax: sx, ay: sy},
+                                    inputs={_live.CHAIN_X: (limits, chosen)},
+                                    tokens={_live.CHAIN_X: [token]})
             outs = self._eval(sub.jaxpr, sub.consts, [*consts, *carry, *xs_i], list(rows_i),
-                              here)
-            return outs[:ncar], outs[ncar:]
+                              here, ctx)
+            if ctx is not None:
+                token = sum(ctx.tokens.pop(_live.CHAIN_Y), jnp.zeros((), jnp.float32))
+            return [*outs[:ncar], token], outs[ncar:]
 
-        carry, ys = jax.lax.scan(step, list(init), (list(xs), list(block),
-                                                     [ratios[q] for q in layered]),
-                                 length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        (*carry, token), ys = jax.lax.scan(
+            step, [*init, token], (list(xs), list(block), [ratios[q] for q in layered],
+                                   per_layer),
+            length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
+        if chain is not None and chain.last is not None:
+            live.tokens.setdefault(chain.last, []).append(token)
         return [*carry, *ys]
 
 

@@ -408,7 +408,13 @@ def live_point(cfg: LiveConfig, xs: tuple, base: jax.Array, limits: jax.Array,
     ``cfg.emits`` zero tokens. ``base = [x, y]``: the planned log2 scales of the two
     sides; a side in a live region reads its scale from an emitted token's cotangent,
     or (the decider) chooses it (:func:`decide`, with ``limits``) and returns it as the
-    cotangent of ``chosen`` and of every token it ``taken``."""
+    cotangent of ``chosen``, and as the cotangent of every token it ``taken`` its
+    difference from its planned scale::
+
+        chosen side  = base[side] + cotangent of its token      (a token nobody took
+                                                                 reads the plan)
+
+    (a stack's carry holds a token that the last layer's consumer may not take)."""
     del base, limits, dummy, chosen, taken
     return xs, tuple(jnp.zeros((), jnp.float32) for _ in range(cfg.emits))
 
@@ -423,12 +429,12 @@ def _live_point_bwd(cfg, res, cts):
     base, limits = res
     cts, emitted = cts
     pc = cfg.point
-    ly = base[1] if cfg.y_token is None else emitted[cfg.y_token]
+    ly = base[1] if cfg.y_token is None else base[1] + emitted[cfg.y_token]
     amax = magnitude(cts)
     if cfg.decides:
         lx = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)
     else:
-        lx = base[0] if cfg.x_token is None else emitted[cfg.x_token]
+        lx = base[0] if cfg.x_token is None else base[0] + emitted[cfg.x_token]
     ratio = _formats.pow2(lx) / _formats.pow2(ly)
     out = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
     if pc.simulate is not None:
@@ -436,8 +442,9 @@ def _live_point_bwd(cfg, res, cts):
     row = (_over_devices(measure(cts, ratio, pc, amax), cts, pc.dummy_axes) if pc.measure
            else None)
     mine = lx if cfg.decides else jnp.zeros((), jnp.float32)
+    moved = lx - base[0] if cfg.decides else mine
     return (out, jnp.zeros_like(base), jnp.zeros_like(limits), row, mine,
-            tuple(mine for _ in range(cfg.takes)))
+            tuple(moved for _ in range(cfg.takes)))
 
 
 live_point.defvjp(_live_point_fwd, _live_point_bwd)

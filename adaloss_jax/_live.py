@@ -41,19 +41,55 @@ from adaloss_jax._stream import Steps
 from adaloss_jax._tree import ROOT
 
 
+class Chain(NamedTuple):
+    """A stack of layers scanned as a chain: one point of the scan's body is the exit of
+    every layer (its ``x`` side the layer, its ``y`` side the layer executed next, or
+    after the last one the stack's consumer), and no other point of the body converts.
+
+    Each layer decides there, at its exit, from the cotangent arriving from the layer
+    executed next, whose choice reaches it through a token in the scan's carry: the
+    body takes the carried token (the layer's own, emitted by the previous layer's exit)
+    and carries on the one its exit emits for the next layer. The first layer's token
+    is the sum of those the points before the scan emitted for it; the last layer's
+    goes on to its consumer's decider (``last``; ``None``: nobody takes it, and that
+    side reads the plan)."""
+
+    slots: tuple[str, ...]  # the layers' groups, by slice
+    decider: tuple  # the site key of the layers' exit, in the body
+    first: int  # the slice executed first (the last one for a reversed scan)
+    last: str | None  # the group deciding after the scan that takes the final token
+
+
+CHAIN_X, CHAIN_Y = "<layer>", "<next layer>"  # the two sides of a chain's exit, in its body
+
+
 class Live(NamedTuple):
     """The live regions of a program (static).
 
     Attributes:
-      groups: the live groups, sorted.
-      deciders: ``{site key: group}``, the point that chooses each group's scale.
+      groups: the live groups, sorted (a chain's layers included).
+      deciders: ``{site key: group}``, the point that chooses each group's scale
+        (:data:`CHAIN_X` for a chain's exit).
       needs: ``{site key: groups}``: the live groups whose chosen scale the site's
         backward pass needs (a token each), for every site that needs one.
+      chains: ``{scan equation id: Chain}``.
     """
 
     groups: tuple[str, ...] = ()
     deciders: dict = {}
     needs: dict = {}
+    chains: dict = {}
+
+
+class Scan(NamedTuple):
+    """A scan over a stack of layers as the analysis sees it."""
+
+    id: int  # the scan equation's id
+    at: tuple  # its (scope, position) in the forward order
+    length: int
+    reverse: bool
+    keys: frozenset  # the site keys of its body
+    top: frozenset  # those met at the body's own top level (nested jits inlined)
 
 
 PARAMS_KEY = "params"  # the key of parameter conversion ``i`` is ``(PARAMS_KEY, i)``
@@ -73,8 +109,46 @@ def _per_layer(anchors) -> list[str]:
     return [g for a in anchors for g in a] if isinstance(anchors, Steps) else []
 
 
+def _chain(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
+           counts: Counter) -> Chain | None:
+    """``scan``'s :class:`Chain`, or ``None`` where its stack is no chain."""
+    inside = [(k, pair) for k, pair, convert in every if k in scan.keys and convert]
+    if len(inside) != 1:
+        return None
+    key, (x, y) = inside[0]
+    if (key not in scan.top or counts[key] != 1 or not isinstance(x, Steps)
+            or not isinstance(y, Steps) or any(len(a) != 1 for a in x)):
+        return None
+    slots = tuple(a[0] for a in x)
+    run = (range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length))
+    run = list(run)
+    if len(set(slots)) != len(slots) or ROOT in slots:
+        return None
+    if any(y[i] != x[j] for i, j in zip(run, run[1:])):  # exits into the next layer
+        return None
+    mine = set(slots)
+    for k, (a, b), convert in every:  # outside the body, only a way into the first
+        if k in scan.keys:
+            continue
+        named = {g for side in (a, b) for g in (_per_layer(side) or (side or ()))}
+        if not named & mine:
+            continue
+        if not convert and a == b == (slots[run[0]],):  # measured at its scale
+            continue
+        if (not convert or isinstance(a, Steps) or b != (slots[run[0]],)
+                or counts[k] != 1 or k not in order or order[k][0] != scan.at[0]
+                or order[k][1] >= scan.at[1]):
+            return None
+    for pair in params:
+        if pair is not None and any(g in mine for side in pair
+                                    for g in (_per_layer(side) or side)):
+            return None
+    return Chain(slots, key, run[0], single(y[run[-1]]))
+
+
 def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
-            params_order: float, stacked: frozenset = frozenset()) -> Live:
+            params_order: float, stacked: frozenset = frozenset(),
+            scans: Sequence[Scan] = ()) -> Live:
     """The live regions.
 
     Args:
@@ -89,14 +163,27 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
         conversion goes between.
       params_order: the ``(scope, position)`` of the parameter point (``None``: none).
       stacked: the groups that get a scale per layer.
+      scans: the scans over stacks of layers met at a scope's top level.
     """
     order = dict(top)
     counts = Counter(key for key, _, _ in every)
+    chains = {}
+    for scan in scans:
+        chain = _chain(scan, every, order, params, counts)
+        if chain is not None:
+            chains[scan.id] = (scan, chain)
+    chained = {k for scan, _ in chains.values() for k in scan.keys}
     entries: dict[str, list] = {}
     border: dict[str, list] = {}
     unfit: set[str] = set()  # met per layer
+    for scan, chain in chains.values():  # the final token: a way into its consumer
+        if chain.last is not None:
+            border.setdefault(chain.last, []).append(("scan", scan.id))
+            order[("scan", scan.id)] = scan.at
+            counts[("scan", scan.id)] = 1
     for key, (x, y), convert in every:
-        unfit.update(_per_layer(x) + _per_layer(y))
+        if key not in chained:
+            unfit.update(_per_layer(x) + _per_layer(y))
         if not convert:
             continue
         gx, gy = single(x), single(y)
@@ -127,11 +214,12 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
         if all(order[k][0] == scope and order[k][1] < at for k in rest if k != d):
             live[g] = d
     needs: dict = {}
+    firsts = {c.slots[c.first] for _, c in chains.values()}
     for key, (x, y), convert in every:
         if not convert or key not in order:
             continue
         want = [g for g in dict.fromkeys((single(x), single(y)))
-                if g in live and live[g] != key]
+                if (g in live and live[g] != key) or g in firsts]
         if want:
             needs[key] = tuple(want)
     for i, pair in enumerate(params):
@@ -139,5 +227,12 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             want = [g for g in dict.fromkeys(map(single, pair)) if g in live]
             if want:
                 needs[(PARAMS_KEY, i)] = tuple(want)
-    groups = tuple(sorted(live))
-    return Live(groups, {d: g for g, d in live.items()}, needs)
+    deciders = {d: g for g, d in live.items()}
+    for scan, c in chains.values():
+        deciders[c.decider] = CHAIN_X
+        needs[c.decider] = (CHAIN_Y,)
+    final = {}
+    for i, (scan, c) in chains.items():
+        final[i] = c._replace(last=c.last if c.last in live else None)
+    groups = tuple(sorted([*live, *(g for c in final.values() for g in c.slots)]))
+    return Live(groups, deciders, needs, final)

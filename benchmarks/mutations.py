@@ -37,16 +37,22 @@ MUTATIONS = {
         "a same-step choice rises above the rule's scale (its back-off, the growth seen)"),
     "same-step-arrival-token-ignored": (
         "adaloss_jax/_channel.py",
-        "    ly = base[1] if cfg.y_token is None else emitted[cfg.y_token]",
+        "    ly = base[1] if cfg.y_token is None else base[1] + emitted[cfg.y_token]",
         "    ly = base[1]",
         ["tests/test_live.py"],
         "a point reads the planned scale of its consumer side where that region decided"),
     "same-step-exit-token-ignored": (
         "adaloss_jax/_channel.py",
-        "        lx = base[0] if cfg.x_token is None else emitted[cfg.x_token]",
+        "        lx = base[0] if cfg.x_token is None else base[0] + emitted[cfg.x_token]",
         "        lx = base[0]",
         ["tests/test_live.py"],
         "a point converts into a region that decided at the region's planned scale"),
+    "same-step-chain-carry-dropped": (
+        "adaloss_jax/_apply.py",
+        "                token = sum(ctx.tokens.pop(_live.CHAIN_Y), jnp.zeros((), jnp.float32))",
+        "                token = jnp.zeros((), jnp.float32)",
+        ["tests/test_live.py"],
+        "a scanned chain's layer reads the next layer's planned scale, not its choice"),
     "max-as-sum": (
         "adaloss_jax/_channel.py",
         "jnp.concatenate([jnp.max(rows[..., :_MAXED], axis=axes),",

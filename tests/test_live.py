@@ -19,6 +19,9 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_adaptive import CASES, _grads_through, _setup
+from test_scanned_stacks import _check_twin
+from test_scanned_stacks import _losses as _stack_losses
+from test_scanned_stacks import _params as _stack_params
 from test_transformations import (
     AROUND,
     FRONT_ENDS,
@@ -194,6 +197,53 @@ def test_after_an_overflow_before_any_measurement_the_back_off_caps_the_choice()
     assert float(ad.log2_amax["d2"]) == -math.inf
     _, _, stats = step((ad, state[1]), params, jnp.asarray(_X), _Y)
     assert float(stats.log2_scales["d2"]) == 5.0
+
+
+SAME_STEP = alj.adaptive(groups="module", same_step=True, max_rise=1000, retries=0,
+                         compute_dtype="float16")
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+@pytest.mark.parametrize("residual,remat", [(False, False), (True, False), (False, True)])
+def test_a_scanned_stack_chooses_each_layers_scale_as_its_unrolled_twin(
+        reverse, residual, remat):
+    """A stack scanned as a chain (:class:`~adaloss_jax._live.Chain`: each layer's exit
+    converts into the next layer) decides each layer at its exit from the cotangent in
+    hand, the next layer's choice reaching it through the scan's carry: its scales,
+    statistics and gradients are its unrolled twin's, whatever the prior scales, and
+    unscale to fp32's; also where each layer adds its input back (the fan-in is inside
+    the layer). A layer under remat (its exit in a scope of its own) keeps the plan, and
+    so does its twin's."""
+    _check_twin(3, residual, reverse, False, remat, [0, 3, -2, 9, 1, 5], SAME_STEP)
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_stack_whose_every_output_is_read_keeps_the_plan_and_stays_exact(reverse):
+    """Every layer's output also reaches the loss (stacked along the scan): no chain,
+    so the stack keeps the plan, and its gradients are still exactly fp32's."""
+    (tx, scanned), _, grad = _stack_losses(3, False, reverse, True, jnp.float32, False,
+                                           SAME_STEP)
+    p = _stack_params(3)
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    state = tx.init(p).with_log2_scales({"stack[0]": 3, "stack[1]": -2, "stack[2]": 9})
+    u, stats, _ = scanned(state, p, x)
+    for i, want in enumerate((3, -2, 9)):
+        assert float(stats.log2_scales[f"stack[{i}]"]) == want
+    assert_fp32_trees_close(u, grad(p, x))
+
+
+def test_a_chain_decides_every_layer_and_the_stacks_consumer():
+    """From the default initial scales, every layer of the chain and the head after it
+    move to the scale their cotangents call for in the first step."""
+    (tx, scanned), _, _ = _stack_losses(3, False, False, False, jnp.float32, False,
+                                        SAME_STEP)
+    p = _stack_params(3)
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    state = tx.init(p)
+    _, stats, _ = scanned(state, p, x)
+    moved = {g for g in stats.log2_scales
+             if float(stats.log2_scales[g]) != float(state.log2_scales[g])}
+    assert moved >= {"stack[0]", "stack[1]", "stack[2]", "head"}, moved
 
 
 def _hlo_size(depth: int, same_step: bool) -> int:

@@ -58,7 +58,8 @@ def _unrolled_params(p):
 
 
 @functools.cache
-def _losses(depth: int, residual: bool, reverse: bool, emit: bool, dtype, remat=False):
+def _losses(depth: int, residual: bool, reverse: bool, emit: bool, dtype, remat=False,
+            scaler=SCALER):
     """The scanned stack and its unrolled twin (same layers, same order, same outputs);
     ``remat``: each layer under ``jax.checkpoint``."""
     ck = jax.checkpoint if remat else (lambda f: f)
@@ -89,7 +90,7 @@ def _losses(depth: int, residual: bool, reverse: bool, emit: bool, dtype, remat=
         return finish(p, h, jnp.stack(ys) if emit else None)
 
     def step(loss_fn):
-        tx = alj.adaptive_unscale(SCALER)
+        tx = alj.adaptive_unscale(scaler)
 
         @jax.jit
         def run(state, p, x):
@@ -128,9 +129,9 @@ def test_scanned_stack_equals_its_unrolled_twin_fixed_examples(reverse, residual
     _check_twin(3, residual, reverse, emit, False, [0, 3, -2, 9, 1, 5])
 
 
-def _check_twin(depth, residual, reverse, emit, remat, log2):
+def _check_twin(depth, residual, reverse, emit, remat, log2, scaler=SCALER):
     (tx, scanned), (_, unrolled), grad = _losses(depth, residual, reverse, emit, jnp.float32,
-                                                 remat)
+                                                 remat, scaler)
     p = _params(depth)
     pu = _unrolled_params(p)
     x = jax.random.normal(jax.random.key(1), (4, W))

@@ -113,5 +113,5 @@ DEPTH = ("fp32", "bf16", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module",
          "e4m3-module", "e4m3-same", "fp8-flax", "fp8-current")
 # The scanned deep tasks (code-gpt-deep-scan, fmnist-sigmoid-scan): what a user of a
 # scanned model gets, against both fp8 peers.
-SCANNED = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module", "e4m3-global",
-           "e4m3-module", "fp8-flax", "fp8-current")
+SCANNED = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module", "fp16-ada-same",
+           "e4m3-global", "e4m3-module", "e4m3-same", "fp8-flax", "fp8-current")

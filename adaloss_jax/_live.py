@@ -228,11 +228,10 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             if want:
                 needs[(PARAMS_KEY, i)] = tuple(want)
     deciders = {d: g for g, d in live.items()}
-    for scan, c in chains.values():
+    final = {}
+    for i, (_, c) in chains.items():
         deciders[c.decider] = CHAIN_X
         needs[c.decider] = (CHAIN_Y,)
-    final = {}
-    for i, (scan, c) in chains.items():
         final[i] = c._replace(last=c.last if c.last in live else None)
     groups = tuple(sorted([*live, *(g for c in final.values() for g in c.slots)]))
     return Live(groups, deciders, needs, final)

@@ -108,7 +108,8 @@ class Program:
                     keys = frozenset((s.n, s.pair) for s in self._sites_of(body))
                     scans.append(_live.Scan(
                         id(eqn), (scope, at), eqn.params["length"], eqn.params["reverse"],
-                        keys, frozenset(k for k, (sc, _) in inner if sc == ("scan",))))
+                        keys, frozenset(k for k, (sc, _) in inner if sc == ("scan",)),
+                        tuple(inner)))
 
         walk(self.closed.jaxpr, (), (), top)
         params_order = params_at[0] if len(params_at) == 1 else None
@@ -250,8 +251,7 @@ class Program:
         group (all emitted before it: :mod:`adaloss_jax._live`)."""
         needs = self.live.needs.get(key, ())
         group = self.live.deciders.get(key)
-        x, y = ((_live.CHAIN_X, _live.CHAIN_Y) if group == _live.CHAIN_X
-                else (_live.single(a) for a in pair))
+        x, y = self.live.names.get(key) or (_live.single(a) for a in pair)
         sc = self.scaler
         limits, chosen = (live.inputs[group] if group is not None
                           else (jnp.zeros((3,), jnp.float32), jnp.zeros((), jnp.float32)))
@@ -326,9 +326,10 @@ class Program:
 
     def _scan(self, eqn, ins, sub, block, ratios, live=None) -> list:
         """Rebuilt with the same length, direction and unrolling; over a stack of layers
-        the ratios that vary by layer enter as scanned inputs, a value per layer. Over
-        a :class:`~adaloss_jax._live.Chain` each layer decides at its exit: its planned
-        scales, limits and ``chosen`` input enter per layer too, and the token of the
+        the ratios that vary by layer enter as scanned inputs, a value per layer. Where
+        the body decides (``Live.layers``: regions inside a layer, or a
+        :class:`~adaloss_jax._live.Chain`'s layers at their exits) the planned scales,
+        limits and ``chosen`` inputs enter per layer too, and a chain's token of the
         layer executed next rides in the carry."""
         p = eqn.params
         nc, ncar = p["num_consts"], p["num_carry"]
@@ -338,27 +339,32 @@ class Program:
             layered = sorted({s.pair for s in self._sites_of(sub.jaxpr) if _varies(s.pair)
                               and s.cfg.convert}, key=repr)
         chain = None if live is None else self.live.chains.get(id(eqn))
-        per_layer, token = (), jnp.zeros((), jnp.float32)
+        groups = {} if live is None else self.live.layers.get(id(eqn), {})
+        token = jnp.zeros((), jnp.float32)
+        anchors, per_layer = [], ()
+        if groups:  # a value per layer: the planned scales, limits and ``chosen`` inputs
+            keys = {(s.n, s.pair) for s in self._sites_of(sub.jaxpr)}
+            anchors = sorted({a for k in keys if k in self.live.names for a in k[1]
+                              if isinstance(a, Steps)}, key=repr)
+            per_layer = ([live.sigma[a] for a in anchors],
+                         {name: (jnp.stack([live.inputs[g][0] for g in slots]),
+                                 jnp.stack([live.inputs[g][1] for g in slots]))
+                          for name, slots in groups.items()})
         if chain is not None:
-            x, y = chain.decider[1]
-            per_layer = (live.sigma[x], live.sigma[y],
-                         jnp.stack([live.inputs[g][0] for g in chain.slots]),
-                         jnp.stack([live.inputs[g][1] for g in chain.slots]))
             token = sum(live.tokens.pop(chain.slots[chain.first], []), token)
 
         def step(carry, x):
             (*carry, token), (xs_i, rows_i, ratios_i, layer) = carry, x
             here = {**ratios, **dict(zip(layered, ratios_i))}
             ctx = None
-            if chain is not None:
-                sx, sy, limits, chosen = layer
-                ax, ay = chain.decider[1]
-                ctx = live._replace(sigma={**live.sigma, ax: sx, ay: sy},
-                                    inputs={_live.CHAIN_X: (limits, chosen)},
-                                    tokens={_live.CHAIN_X: [token]})
+            if groups:
+                sigma_i, inputs_i = layer
+                ctx = live._replace(sigma={**live.sigma, **dict(zip(anchors, sigma_i))},
+                                    inputs=inputs_i,
+                                    tokens={_live.CHAIN_X: [token]} if chain else {})
             outs = self._eval(sub.jaxpr, sub.consts, [*consts, *carry, *xs_i], list(rows_i),
                               here, ctx)
-            if ctx is not None:
+            if chain is not None:
                 token = sum(ctx.tokens.pop(_live.CHAIN_Y), jnp.zeros((), jnp.float32))
             return [*outs[:ncar], token], outs[ncar:]
 

@@ -69,16 +69,23 @@ class Live(NamedTuple):
     Attributes:
       groups: the live groups, sorted (a chain's layers included).
       deciders: ``{site key: group}``, the point that chooses each group's scale
-        (:data:`CHAIN_X` for a chain's exit).
+        (:data:`CHAIN_X` for a chain's exit, a layer's :func:`symbol` inside a scan).
       needs: ``{site key: groups}``: the live groups whose chosen scale the site's
         backward pass needs (a token each), for every site that needs one.
       chains: ``{scan equation id: Chain}``.
+      layers: ``{scan equation id: {name: slots}}``: per scan over a stack, the live
+        groups its body decides, a scale per layer: its chain's layers
+        (:data:`CHAIN_X`), or the regions inside one layer (by :func:`symbol`).
+      names: ``{site key: (x, y)}``: the group names of the two sides of a point
+        inside such a body (``single`` names the others).
     """
 
     groups: tuple[str, ...] = ()
     deciders: dict = {}
     needs: dict = {}
     chains: dict = {}
+    layers: dict = {}
+    names: dict = {}
 
 
 class Scan(NamedTuple):
@@ -90,6 +97,7 @@ class Scan(NamedTuple):
     reverse: bool
     keys: frozenset  # the site keys of its body
     top: frozenset  # those met at the body's own top level (nested jits inlined)
+    order: tuple = ()  # ``(key, (scope, position))`` of the body's sites, in its order
 
 
 PARAMS_KEY = "params"  # the key of parameter conversion ``i`` is ``(PARAMS_KEY, i)``
@@ -107,6 +115,17 @@ def _per_layer(anchors) -> list[str]:
     """The groups of per-layer anchors (:class:`~adaloss_jax._stream.Steps`), else
     none."""
     return [g for a in anchors for g in a] if isinstance(anchors, Steps) else []
+
+
+def symbol(anchors):
+    """Per-layer anchors whose slice ``i`` is the stacked group ``g``'s own slot
+    ``g[i]`` as the one-group anchors ``("g[*]",)``: inside a scan's body, where every
+    slice runs the same program, a layer's own region is one region. Others as given."""
+    if isinstance(anchors, Steps) and all(len(a) == 1 for a in anchors):
+        parts = [split_slot(a[0]) for a in anchors]
+        if all(p is not None and p == (parts[0][0], i) for i, p in enumerate(parts)):
+            return (parts[0][0] + "[*]",)
+    return anchors
 
 
 def _chain(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
@@ -167,23 +186,53 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     """
     order = dict(top)
     counts = Counter(key for key, _, _ in every)
-    chains = {}
+    counts.update({(PARAMS_KEY, i): 1 for i in range(len(params))})
+    if params_order is not None:
+        order.update({(PARAMS_KEY, i): params_order for i in range(len(params))})
+    chains, layers, names = {}, {}, {}
     for scan in scans:
         chain = _chain(scan, every, order, params, counts)
         if chain is not None:
             chains[scan.id] = (scan, chain)
-    chained = {k for scan, _ in chains.values() for k in scan.keys}
-    entries: dict[str, list] = {}
-    border: dict[str, list] = {}
-    unfit: set[str] = set()  # met per layer
-    for scan, chain in chains.values():  # the final token: a way into its consumer
+    inside = {k for scan, _ in chains.values() for k in scan.keys}
+    extra: dict = {}  # a chain's final token: a way into its consumer
+    for scan, chain in chains.values():
         if chain.last is not None:
-            border.setdefault(chain.last, []).append(("scan", scan.id))
+            extra.setdefault(chain.last, []).append(("scan", scan.id))
             order[("scan", scan.id)] = scan.at
             counts[("scan", scan.id)] = 1
+    firsts = {c.slots[c.first] for _, c in chains.values()}
+    live, needs = _regions([e for e in every if e[0] not in inside], order, counts, params,
+                           stacked, extra, firsts)
+    deciders = {d: g for g, d in live.items()}
+    for i, (scan, c) in chains.items():
+        deciders[c.decider] = CHAIN_X
+        needs[c.decider] = (CHAIN_Y,)
+        names[c.decider] = (CHAIN_X, CHAIN_Y)
+        chains[i] = c._replace(last=c.last if c.last in live else None)
+        layers[i] = {CHAIN_X: c.slots}
+    for scan in scans:
+        if scan.id not in chains:
+            found = _inside(scan, every, params, counts)
+            if found:
+                layers[scan.id], here, wanted, named = found
+                deciders.update(here)
+                needs.update(wanted)
+                names.update(named)
+    slots = [g for by_name in layers.values() for group in by_name.values() for g in group]
+    return Live(tuple(sorted([*live, *slots])), deciders, needs, chains, layers, names)
+
+
+def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: frozenset,
+             extra: dict, firsts=frozenset()) -> tuple[dict, dict]:
+    """The live groups with their deciders, and what every site needs, of the sites
+    ``every`` (``extra``: border keys beyond theirs; ``firsts``: groups whose tokens a
+    chain takes)."""
+    entries: dict[str, list] = {}
+    border: dict[str, list] = {g: list(keys) for g, keys in extra.items()}
+    unfit: set[str] = set()  # met per layer
     for key, (x, y), convert in every:
-        if key not in chained:
-            unfit.update(_per_layer(x) + _per_layer(y))
+        unfit.update(_per_layer(x) + _per_layer(y))
         if not convert:
             continue
         gx, gy = single(x), single(y)
@@ -199,9 +248,6 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             if g is not None:
                 border.setdefault(g, []).append((PARAMS_KEY, i))
             unfit.update(_per_layer(side))
-    if params_order is not None:
-        order.update({(PARAMS_KEY, i): params_order for i in range(len(params))})
-    counts.update({(PARAMS_KEY, i): 1 for i in range(len(params))})
     live: dict[str, tuple] = {}
     for g, keys in entries.items():
         if g == ROOT or g in unfit or g in stacked or split_slot(g) is not None:
@@ -214,7 +260,6 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
         if all(order[k][0] == scope and order[k][1] < at for k in rest if k != d):
             live[g] = d
     needs: dict = {}
-    firsts = {c.slots[c.first] for _, c in chains.values()}
     for key, (x, y), convert in every:
         if not convert or key not in order:
             continue
@@ -227,11 +272,40 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             want = [g for g in dict.fromkeys(map(single, pair)) if g in live]
             if want:
                 needs[(PARAMS_KEY, i)] = tuple(want)
-    deciders = {d: g for g, d in live.items()}
-    final = {}
-    for i, (_, c) in chains.items():
-        deciders[c.decider] = CHAIN_X
-        needs[c.decider] = (CHAIN_Y,)
-        final[i] = c._replace(last=c.last if c.last in live else None)
-    groups = tuple(sorted([*live, *(g for c in final.values() for g in c.slots)]))
-    return Live(groups, deciders, needs, final)
+    return live, needs
+
+
+def _inside(scan: Scan, every: Sequence[tuple], params: Sequence, counts: Counter):
+    """The regions inside one layer of ``scan``'s stack: the body's sites analysed as
+    one program, each layer's own groups as one :func:`symbol`. A group is left out
+    where any of its layers is named outside the body (a point or a parameter
+    conversion: its border would leave the body). ``None`` where nothing decides."""
+    outside = set()
+    for k, pair, _ in every:
+        if k not in scan.keys:
+            outside.update(g for side in pair for g in (_per_layer(side) or side or ()))
+    for pair in params:
+        if pair is not None:
+            outside.update(g for side in pair for g in (_per_layer(side) or side))
+    body = [(k, (symbol(x), symbol(y)), c) for k, (x, y), c in every if k in scan.keys]
+    slots: dict = {}
+    for k, (x, y), _ in every:
+        if k not in scan.keys:
+            continue
+        for raw in (x, y):
+            sym = symbol(raw)
+            if sym is not raw:
+                slots[sym[0]] = tuple(a[0] for a in raw)
+            elif isinstance(raw, Steps):  # another layer's slot, read alone
+                outside.update(a[0] for a in raw if len(a) == 1)
+    fit = {g for g, mine in slots.items() if not outside & set(mine)}
+    live, needs = _regions(body, dict(scan.order), counts, (), frozenset(), {})
+    live = {g: d for g, d in live.items() if g in fit}
+    needs = {k: w for k, w in ((k, tuple(g for g in w if g in live)) for k, w in needs.items())
+             if w}
+    if not live:
+        return None
+    names = {k: tuple(single(side) for side in pair) for k, pair, _ in body
+             if k in needs or k in live.values()}
+    return ({g: slots[g] for g in sorted(live)}, {d: g for g, d in live.items()}, needs,
+            names)

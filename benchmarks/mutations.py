@@ -53,6 +53,12 @@ MUTATIONS = {
         "                token = jnp.zeros((), jnp.float32)",
         ["tests/test_live.py"],
         "a scanned chain's layer reads the next layer's planned scale, not its choice"),
+    "same-step-layer-regions-planned": (
+        "adaloss_jax/_live.py",
+        "            found = _inside(scan, every, params, counts)",
+        "            found = None",
+        ["tests/test_live.py"],
+        "the regions inside a scanned layer keep the plan instead of deciding"),
     "max-as-sum": (
         "adaloss_jax/_channel.py",
         "jnp.concatenate([jnp.max(rows[..., :_MAXED], axis=axes),",

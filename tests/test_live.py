@@ -246,6 +246,58 @@ def test_a_chain_decides_every_layer_and_the_stacks_consumer():
     assert moved >= {"stack[0]", "stack[1]", "stack[2]", "head"}, moved
 
 
+@functools.cache
+def _gpt_twins():
+    """The bench's byte GPT (3 pre-LN blocks, fp32) with its blocks unrolled and in one
+    ``nn.scan``, with the same weights."""
+    from adaloss_jax.bench._models import GPT
+
+    kw = dict(layers=3, d_model=16, heads=2, context=8, dtype=jnp.float32)
+    tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, 256)
+    unrolled, scanned = GPT(**kw), GPT(**kw, scan=True)
+    pu = unrolled.init(jax.random.key(0), tokens[:, :-1])["params"]
+    ps = {k: v for k, v in pu.items() if not k.startswith("block_")}
+    ps["blocks"] = {"layer": jax.tree_util.tree_map(
+        lambda *a: jnp.stack(a), *[pu[f"block_{i}"] for i in range(3)])}
+
+    def loss(model):
+        def fn(p, t, y=None):
+            del y
+            logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+        return fn
+
+    return (loss(unrolled), pu), (loss(scanned), ps), tokens
+
+
+def test_a_scanned_transformer_decides_inside_each_block_as_its_unrolled_twin():
+    """Regions inside one layer of a scanned stack (a block's attention and MLP
+    sub-modules and norms, between the residual stream's fan-ins) decide in the scan's
+    body, a scale per layer: the same scales as the unrolled blocks', whatever the
+    prior scales, and exact fp32 gradients."""
+    (lu, pu), (ls, ps), tokens = _gpt_twins()
+    rng = np.random.default_rng(7)
+    runs = {}
+    for name, loss, p in (("unrolled", lu, pu), ("scanned", ls, ps)):
+        step, state = _grads_through(SAME_STEP, loss, p, (tokens,))
+        ad = state[0]
+        prior = {g: int(rng.integers(-6, 7)) for g in ad.log2_scales}
+        state = (ad.with_log2_scales(prior), state[1])
+        got, _, stats = step(state, p, tokens, _Y)
+        assert_fp32_trees_close(got, jax.grad(loss)(p, tokens))
+        runs[name] = (stats, prior)
+    (su, prior_u), (ss, prior_s) = runs["unrolled"], runs["scanned"]
+    inside = ("attn/qkv", "attn/proj", "mlp/fc1", "mlp/fc2", "ln1", "ln2")
+    for i in range(3):
+        for m in inside:
+            a = float(ss.log2_scales[f"blocks/layer/{m}[{i}]"])
+            b = float(su.log2_scales[f"block_{i}/{m}"])
+            assert a == b, (m, i, a, b)
+    moved = [g for g in prior_s if g.startswith("blocks/") and g.endswith("]")
+             and float(ss.log2_scales[g]) != prior_s[g]]
+    assert len(moved) == 3 * len(inside), moved  # every layer's every region decided
+
+
 def _hlo_size(depth: int, same_step: bool) -> int:
     """Instructions in the optimized HLO of one jitted same-step (or delayed) step of a
     chain of ``depth`` fp16 modules, each a live region."""

@@ -205,7 +205,7 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     live, needs = _regions([e for e in every if e[0] not in inside], order, counts, params,
                            stacked, extra, firsts)
     deciders = {d: g for g, d in live.items()}
-    for i, (scan, c) in chains.items():
+    for i, (_, c) in chains.items():
         deciders[c.decider] = CHAIN_X
         needs[c.decider] = (CHAIN_Y,)
         names[c.decider] = (CHAIN_X, CHAIN_Y)

@@ -286,7 +286,7 @@ def test_a_scanned_transformer_decides_inside_each_block_as_its_unrolled_twin():
         got, _, stats = step(state, p, tokens, _Y)
         assert_fp32_trees_close(got, jax.grad(loss)(p, tokens))
         runs[name] = (stats, prior)
-    (su, prior_u), (ss, prior_s) = runs["unrolled"], runs["scanned"]
+    (su, _), (ss, prior_s) = runs["unrolled"], runs["scanned"]
     inside = ("attn/qkv", "attn/proj", "mlp/fc1", "mlp/fc2", "ln1", "ln2")
     for i in range(3):
         for m in inside:

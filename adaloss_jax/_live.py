@@ -19,6 +19,15 @@ backward pass can set its scale where the cotangent enters it::
 So a module called twice is decided at its second call, whose backward pass runs first;
 the first call's cotangent enters at that scale (an overflow there backs off as any).
 
+A stack of layers in one scan decides too, a scale per layer (``Live.layers``):
+
+    inside a layer  = the body's sites analysed as above, every layer's own slot of a
+                      stacked group as one group (:func:`symbol`): its regions decide
+                      in the body, where every layer runs the same program
+    a chain         = the body's one converting point is every layer's exit into the
+                      layer executed next (:class:`Chain`): each layer decides there,
+                      and the next layer's choice rides in the scan's carry
+
 The decider measures the arriving cotangent (at the scale of its consumer side) and
 chooses ``g``'s log2 scale (:func:`adaloss_jax._channel.decide`). Every border point
 that converts into or out of ``g`` needs that choice in its own backward pass, which

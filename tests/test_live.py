@@ -285,6 +285,17 @@ def test_a_scanned_stack_chooses_each_layers_scale_as_its_unrolled_twin(
     _check_twin(3, residual, reverse, False, remat, [0, 3, -2, 9, 1, 5], SAME_STEP)
 
 
+@SLOW
+@PROPERTY
+@given(depth=st.integers(2, 4), residual=st.booleans(), reverse=st.booleans(),
+       remat=st.booleans(), data=st.data())
+def test_a_scanned_stack_chooses_as_its_unrolled_twin_under_any_prior(depth, residual,
+                                                                     reverse, remat, data):
+    """The fixed cases above over depths, directions and priors drawn at random."""
+    log2 = data.draw(st.lists(st.integers(-8, 15), min_size=depth + 3, max_size=depth + 3))
+    _check_twin(depth, residual, reverse, False, remat, log2, SAME_STEP)
+
+
 @pytest.mark.parametrize("reverse", [False, True])
 def test_a_stack_whose_every_output_is_read_keeps_the_plan_and_stays_exact(reverse):
     """Every layer's output also reaches the loss (stacked along the scan): no chain,

@@ -235,8 +235,12 @@ def test_mxfp8_rounds_each_block_of_32_at_its_own_power_of_two_scale():
     amaxes = [100.0, 3.0 * 2.0**-40, 448.0, 449.0, 0.0, 7.0, 1e4, 2.0**-20]
     blocks = []
     for a in amaxes:
-        b = rng.uniform(-1.0, 1.0, 32) * a
-        b[rng.integers(32)] = -a  # the block's amax, known
+        # The block's amax, known, in its first half; its second half 16 binades below,
+        # where the block's scale leaves it e4m3 subnormals (a block of 16 would give it
+        # a scale of its own: normal numbers, finer).
+        b = rng.uniform(-0.25, 0.25, 32) * a
+        b[16:] = rng.choice([-1.0, 1.0], 16) * rng.uniform(0.5, 1.0, 16) * a * 2.0**-16
+        b[rng.integers(16)] = -a
         blocks.append(b)
     x = np.concatenate(blocks)[None].astype(np.float32)  # one row, contraction axis 1
     q = np.asarray(_fp8_peers.mx_round(jnp.asarray(x), (1,)))
@@ -254,6 +258,11 @@ def test_mxfp8_rounds_each_block_of_32_at_its_own_power_of_two_scale():
             * 2.0**k)
         # The amax fits unclipped: within e4m3's half-ulp (2^-4) of itself.
         assert abs(abs(qb).max() - a) <= a * 2.0**-4
+        # The small half: subnormals at the block's scale (multiples of 2**(k-9)), and
+        # coarser than e4m3's relative precision for some.
+        small = qb[16:] / 2.0**(k - 9)
+        np.testing.assert_array_equal(small, np.round(small))
+        assert np.max(np.abs(qb[16:] - xb[16:]) / np.abs(xb[16:])) > 2.0**-4
     assert float(_fp8_peers.mx_exponent(jnp.float32(448.0))) == 0  # exact: not rounded up
     assert float(_fp8_peers.mx_exponent(jnp.float32(449.0))) == 1
     # The tiny block keeps e4m3's relative precision for its larger half.
@@ -288,14 +297,17 @@ def test_mxfp8_matches_jax_scaled_dot_general(monkeypatch):
         return out.astype(preferred_element_type)
 
     monkeypatch.setattr(sms, "scaled_matmul_wrapper", block_scaled_matmul)
-    keys = jax.random.split(jax.random.key(0), 4)
-    # bf16 values (the model's), in fp32 so that both return fp32; magnitudes over 16
-    # binades, so that blocks differ in scale.
-    x = (jax.random.normal(keys[0], (2, 64, 64)) * jnp.exp2(jax.random.randint(
-        keys[1], (2, 64, 64), -8, 8))).astype(jnp.bfloat16).astype(jnp.float32)
-    kernel = (jax.random.normal(keys[2], (64, 96)) * 0.1).astype(jnp.bfloat16).astype(
-        jnp.float32)
-    w = jax.random.normal(keys[3], (2, 64, 96))
+    keys = iter(jax.random.split(jax.random.key(0), 6))
+
+    def spread(shape):
+        """bf16 values (the model's), in fp32 so that both return fp32, over 16 binades:
+        a block's smallest values are e4m3 subnormals at its scale, so which elements
+        share a block (and so a scale) shows in the result."""
+        v = jax.random.normal(next(keys), shape) * jnp.exp2(
+            jax.random.randint(next(keys), shape, -8, 8).astype(jnp.float32))
+        return v.astype(jnp.bfloat16).astype(jnp.float32)
+
+    x, kernel, w = spread((2, 64, 64)), spread((64, 96)), spread((2, 64, 96))
     dn = (((2,), (0,)), ((), ()))
     configs = [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3
 

@@ -197,8 +197,10 @@ def test_new_fp8_peers_quantize_a_scanned_stack_like_its_unrolled_twin(config):
         return _fp8_peers.peer_model(lambda dtype, dg: _models.sigmoid_mlp(
             dtype, dg, depth=4, scan=scan), jnp.bfloat16, recipe)
 
-    x = jax.random.uniform(jax.random.key(0), (64, 784))
-    y = jax.random.randint(jax.random.key(1), (64,), 0, 10)
+    # The bench's batch of 128: layers 1.. take inputs of their kernels' shape (qwix
+    # must not take them for weights).
+    x = jax.random.uniform(jax.random.key(0), (_tasks.FMNIST_BATCH, 784))
+    y = jax.random.randint(jax.random.key(1), (_tasks.FMNIST_BATCH,), 0, 10)
     loop, stack = make(False), make(True)
     params = loop.init(jax.random.key(2), x)["params"]
 
@@ -220,6 +222,25 @@ def test_new_fp8_peers_quantize_a_scanned_stack_like_its_unrolled_twin(config):
     for a, b, c in zip(unrolled, scanned, plain):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
         assert not np.array_equal(np.asarray(a), np.asarray(c))  # fp8 in both
+
+
+def test_qwix_peer_computes_what_a_plain_qwix_provider_computes():
+    """The bench's QtProvider only stops qwix from taking a dense layer's input for a
+    weight: where qwix tells them apart itself (no input of its kernel's shape), its
+    gradients are a plain ``qwix.QtProvider``'s, bit for bit."""
+    qwix = pytest.importorskip("qwix")
+    model = _models.sigmoid_mlp(jnp.bfloat16, depth=3)
+    x = jax.random.uniform(jax.random.key(0), (64, 784))
+    ours = _fp8_peers.qwix_model(model)
+    plain = qwix.quantize_model(model, qwix.QtProvider(_fp8_peers.qwix_rules()))
+    params = ours.init(jax.random.key(1), x)["params"]
+
+    def grads(m):
+        return jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(m.apply({"params": p}, x).astype(
+            jnp.float32)))))(params)
+
+    for a, b in zip(*(jax.tree_util.tree_leaves(grads(m)) for m in (ours, plain))):
+        np.testing.assert_array_equal(a, b)
 
 
 def test_mxfp8_rounds_each_block_of_32_at_its_own_power_of_two_scale():

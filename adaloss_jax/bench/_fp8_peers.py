@@ -248,13 +248,35 @@ def qwix_rules() -> list:
     ]
 
 
+def _dense_provider(qwix):
+    """``qwix.QtProvider(qwix_rules())``, told that the left operand of a dense layer's
+    ``dot_general`` (its input) is no weight. qwix 0.1.8 tells a weight from an
+    activation by tracing the operand back to a parameter of the module, and failing
+    that by its shape: a batch of 128 entering a 128-wide layer (fmnist-sigmoid's
+    layers 1-7) has its kernel's shape (128, 128), so qwix takes it for a second weight
+    and stops ("lhs and rhs cannot be both weights"). Under fp8_full's rule a weight and
+    an activation are quantized alike (e4m3, absmax, the same channelwise axes, no
+    static scale, no tiling), so the numbers are qwix's either way."""
+
+    class DenseQtProvider(qwix.QtProvider):
+        def _create_dot_general_qt_config(self, rule, op_id, lhs, rhs):
+            # qwix reads lhs only to ask whether it is a parameter: a shape no parameter
+            # has says no.
+            return super()._create_dot_general_qt_config(
+                rule, op_id, jax.ShapeDtypeStruct((0,), lhs.dtype), rhs)
+
+    return DenseQtProvider(qwix_rules())
+
+
 def qwix_model(model: nn.Module) -> nn.Module:
     """``model`` under qwix's quantised training, as a user applies it:
-    ``qwix.quantize_model(model, qwix.QtProvider(qwix_rules()))``. qwix intercepts every
-    ``jax.lax.dot_general`` the model's ``__call__`` makes (an ``nn.Dense`` without
-    ``dot_general_cls`` makes one), also inside ``nn.scan``."""
+    ``qwix.quantize_model(model, provider)`` with a ``QtProvider`` of
+    :func:`qwix_rules` (:func:`_dense_provider`: one that does not take an input for a
+    weight). qwix intercepts every ``jax.lax.dot_general`` the model's ``__call__``
+    makes (an ``nn.Dense`` without ``dot_general_cls`` makes one), also inside
+    ``nn.scan``."""
     qwix = _qwix()
-    return qwix.quantize_model(model, qwix.QtProvider(qwix_rules()))
+    return qwix.quantize_model(model, _dense_provider(qwix))
 
 
 def peer_model(make, dtype, recipe: str | None):

@@ -8,7 +8,6 @@
   recipe and torchao's tensorwise recipe do: each tensor is scaled from its own amax in
   the same step (``scale = fp8_max / amax``), e4m3 for the inputs and kernels, e5m2 for
   the output gradient, the product computed in fp32 from the rounded values.
-
 * ``mxfp8``: MXFP8 as ``jax.nn.scaled_dot_general`` computes it with its default
   (``get_scaled_dot_general_config("mxfp8")``) configs, *simulated*: blocks of 32
   elements along the contraction, one power-of-two (e8m0) scale per block, rounded up so
@@ -19,8 +18,9 @@
   (:func:`qwix_model`): e4m3 inputs (one absmax scale per row) and kernels (one per
   output channel), e5m2 output gradients (per row for the input gradient, per output
   channel for the kernel gradient, after taking on the other operand's forward scales),
-  the scales from this step's values; the backward products reuse the forward pass's
-  e4m3 operands.
+  the scales from this step's values (qwix sets a scale below ``sqrt(finfo.tiny)``,
+  about 1e-19, to 1: gradients that small flush); the backward products reuse the
+  forward pass's e4m3 operands.
 
 All run with the model in bfloat16 and no loss scaling. On a CPU the fp8 values are
 simulated by casts (:func:`adaloss_jax._formats.round_to`); the numbers are fp8's, the

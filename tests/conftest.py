@@ -107,6 +107,8 @@ FULL_SUITE_ONLY = {
     "[plain jax.grad-4]",
     "test_distributed.py::test_state_of_full_parameters_accepts_their_shards[adaptive_scaled]",
     "test_bench.py::test_fp8_peers_refuse_a_model_without_fp8_layers[fp8-flax]",
+    "test_bench.py::test_new_fp8_peers_quantize_a_scanned_stack_like_its_unrolled_twin"
+    "[fp8-mxfp8]",
     "test_transformations.py::test_fp32_gradients_exact_under_arbitrary_per_group_scales",
     "test_flax_free_core.py::test_core_imports_and_trains_without_flax",
 }

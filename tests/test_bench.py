@@ -3,12 +3,15 @@
 import dataclasses
 import io
 import json
+import math
 import os
+import sys
 
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from adaloss_jax.bench import (
@@ -133,17 +136,238 @@ def test_flax_fp8_peer_trains_with_its_own_scaling_state(small_gpt):
     assert row["final_underflow"] < 0.05
 
 
-@pytest.mark.parametrize("config", ["fp8-flax", "fp8-current"])
+@pytest.mark.parametrize("config", ["fp8-flax", "fp8-current", "fp8-qwix", "fp8-mxfp8"])
 def test_fp8_peers_refuse_a_model_without_fp8_layers(small_gpt, config):
     """A model that ignores dot_general_cls would train in plain bf16 under an fp8
-    label: refused, naming the tasks that take it."""
+    label: refused, naming the tasks that take it. qwix quantizes a model's nn.Dense
+    layers without dot_general_cls; a GPT without blocks has none (its output head is
+    the embedding's attend, which qwix's rule leaves alone, as the other fp8 rows do)."""
+    if config == "fp8-qwix":
+        pytest.importorskip("qwix")
+        layers, match = 0, "no dense layer qwix quantizes"
+    else:
+        layers, match = 1, "no dense layer that takes dot_general_cls"
     plain = dataclasses.replace(
-        small_gpt, make_model=lambda dtype, dg: _models.GPT(layers=1, d_model=32, heads=2,
-                                                            context=64, dtype=dtype))
+        small_gpt, make_model=lambda dtype, dg: _models.GPT(layers=layers, d_model=32,
+                                                            heads=2, context=64, dtype=dtype))
     runner = _runner.Runner(plain, _configs.CONFIGS[config], "tiny", 2)
-    with pytest.raises(ValueError, match="no dense layer that takes dot_general_cls.*"
-                                         "fmnist-sigmoid"):
+    with pytest.raises(ValueError, match=f"{match}.*fmnist-sigmoid"):
         runner.init(0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("config", ["fp8-qwix", "fp8-mxfp8"])
+def test_new_fp8_peers_train_in_fp8(small_gpt, config):
+    """qwix (MaxText's fp8_full rule) and simulated MXFP8 in every Dense of the GPT: the
+    model computes in fp8 (the runner's check finds fp8 values in its trace), its
+    gradients are those of the bf16 model rounded (close, never equal), a tiny loss needs
+    no loss scaling (every tensor or block is scaled from its own values), and a few
+    steps train."""
+    if config == "fp8-qwix":
+        pytest.importorskip("qwix")
+    runner = _runner.Runner(small_gpt, _configs.CONFIGS[config], "tiny", 3)
+    bf16 = _runner.Runner(small_gpt, _configs.CONFIGS["bf16"], "tiny", 3)
+    carry = runner.init(0)
+    assert runner._fp8_inside(carry[0], carry[1]) and not carry[1]  # no scaling state
+    batch = small_gpt.batches(0, 3)
+    grads = runner.step(carry, batch(0))[2]
+    ref = bf16.step(bf16.init(0), batch(0))[2]
+    for name in ("qkv", "fc1"):
+        module = "attn" if name == "qkv" else "mlp"
+        g, r = (np.asarray(t["block_0"][module][name]["kernel"]) for t in (grads, ref))
+        err = np.max(np.abs(g - r)) / np.max(np.abs(r))
+        assert 0 < err < 0.25, (name, err)
+        assert np.mean(g == 0) <= np.mean(r == 0) + 0.01  # nothing flushed by the tiny loss
+    row = runner.run(0)
+    assert row["skipped"] == 0 and not row["diverged"] and np.isfinite(row["quality"])
+    assert row["loss_curve"][-1] < row["loss_curve"][0]
+    assert row["final_underflow"] < 0.05
+
+
+@pytest.mark.parametrize("config", ["fp8-qwix", "fp8-mxfp8"])
+def test_new_fp8_peers_quantize_a_scanned_stack_like_its_unrolled_twin(config):
+    """The sigmoid stack with its layers in one nn.scan (fmnist-sigmoid-scan) gets the
+    same fp8 gradients as the same weights unrolled: qwix intercepts the dense layers
+    inside the scan too, and MXFP8's blocks do not depend on the stacking."""
+    if config == "fp8-qwix":
+        pytest.importorskip("qwix")
+    recipe = _configs.CONFIGS[config].fp8
+
+    def make(scan):
+        return _fp8_peers.peer_model(lambda dtype, dg: _models.sigmoid_mlp(
+            dtype, dg, depth=4, scan=scan), jnp.bfloat16, recipe)
+
+    # The bench's batch of 128: layers 1.. take inputs of their kernels' shape (qwix
+    # must not take them for weights).
+    x = jax.random.uniform(jax.random.key(0), (_tasks.FMNIST_BATCH, 784))
+    y = jax.random.randint(jax.random.key(1), (_tasks.FMNIST_BATCH,), 0, 10)
+    loop, stack = make(False), make(True)
+    params = loop.init(jax.random.key(2), x)["params"]
+
+    def grads(model, p):
+        def loss(p):
+            logits = model.apply({"params": p}, x).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return jax.jit(jax.grad(loss))(p)
+
+    # Forward operands in e4m3; output gradients in e5m2 (qwix's fp8_full) or e4m3
+    # (MXFP8, as scaled_dot_general's default configs), inside the scan's body too.
+    backward = str(jax.make_jaxpr(lambda p: jax.grad(lambda p: jnp.sum(stack.apply(
+        {"params": p}, x).astype(jnp.float32)))(p))(_models.stack_layers(params)))
+    assert "f8_e4m3" in backward
+    assert ("f8_e5m2" in backward) == (config == "fp8-qwix")
+    unrolled = _models.layer_kernels(grads(loop, params))
+    scanned = _models.layer_kernels(grads(stack, _models.stack_layers(params)))
+    plain = _models.layer_kernels(grads(_models.sigmoid_mlp(jnp.bfloat16, depth=4), params))
+    for a, b, c in zip(unrolled, scanned, plain):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+        assert not np.array_equal(np.asarray(a), np.asarray(c))  # fp8 in both
+
+
+def test_qwix_peer_computes_what_a_plain_qwix_provider_computes():
+    """The bench's QtProvider only stops qwix from taking a dense layer's input for a
+    weight: where qwix tells them apart itself (no input of its kernel's shape), its
+    gradients are a plain ``qwix.QtProvider``'s, bit for bit."""
+    qwix = pytest.importorskip("qwix")
+    model = _models.sigmoid_mlp(jnp.bfloat16, depth=3)
+    x = jax.random.uniform(jax.random.key(0), (64, 784))
+    ours = _fp8_peers.qwix_model(model)
+    plain = qwix.quantize_model(model, qwix.QtProvider(_fp8_peers.qwix_rules()))
+    params = ours.init(jax.random.key(1), x)["params"]
+
+    def grads(m):
+        return jax.jit(jax.grad(lambda p: jnp.sum(jnp.sin(m.apply({"params": p}, x).astype(
+            jnp.float32)))))(params)
+
+    for a, b in zip(*(jax.tree_util.tree_leaves(grads(m)) for m in (ours, plain))):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_mxfp8_rounds_each_block_of_32_at_its_own_power_of_two_scale():
+    """MXFP8 (closed form): blocks of 32 consecutive elements along the contraction axis,
+    each scaled by 2**k with k = ceil(log2(amax / 448)), the smallest power of two that
+    fits the block's amax in e4m3 (rounded up: the amax is never clipped; an exact
+    448 * 2**k keeps k), each element rounded to e4m3 at its block's scale. A block 2^-40
+    below its neighbour keeps e4m3's precision (one scale for the tensor would flush
+    it); a block of zeros stays zero; a length not a multiple of 32 (784) ends in a
+    shorter block of its own."""
+    e4m3 = _fp8_peers.E4M3
+    rng = np.random.default_rng(0)
+    amaxes = [100.0, 3.0 * 2.0**-40, 448.0, 449.0, 0.0, 7.0, 1e4, 2.0**-20]
+    blocks = []
+    for a in amaxes:
+        # The block's amax, known, in its first half; its second half 16 binades below,
+        # where the block's scale leaves it e4m3 subnormals (a block of 16 would give it
+        # a scale of its own: normal numbers, finer).
+        b = rng.uniform(-0.25, 0.25, 32) * a
+        b[16:] = rng.choice([-1.0, 1.0], 16) * rng.uniform(0.5, 1.0, 16) * a * 2.0**-16
+        b[rng.integers(16)] = -a
+        blocks.append(b)
+    x = np.concatenate(blocks)[None].astype(np.float32)  # one row, contraction axis 1
+    q = np.asarray(_fp8_peers.mx_round(jnp.asarray(x), (1,)))
+    for i, a in enumerate(amaxes):
+        xb, qb = x[0, 32 * i: 32 * i + 32], q[0, 32 * i: 32 * i + 32]
+        if a == 0:
+            assert np.all(qb == 0)
+            continue
+        k = math.ceil(math.log2(a / 448.0))
+        assert a / 2.0**k <= 448.0 < 2 * a / 2.0**k  # the smallest power that fits
+        assert float(_fp8_peers.mx_exponent(jnp.float32(a))) == k
+        # Each element: e4m3's rounding of x / 2**k, read back at 2**k.
+        np.testing.assert_array_equal(
+            qb, np.asarray(jnp.asarray(xb / 2.0**k).astype(e4m3).astype(jnp.float32))
+            * 2.0**k)
+        # The amax fits unclipped: within e4m3's half-ulp (2^-4) of itself.
+        assert abs(abs(qb).max() - a) <= a * 2.0**-4
+        # The small half: subnormals at the block's scale (multiples of 2**(k-9)), and
+        # coarser than e4m3's relative precision for some.
+        small = qb[16:] / 2.0**(k - 9)
+        np.testing.assert_array_equal(small, np.round(small))
+        assert np.max(np.abs(qb[16:] - xb[16:]) / np.abs(xb[16:])) > 2.0**-4
+    assert float(_fp8_peers.mx_exponent(jnp.float32(448.0))) == 0  # exact: not rounded up
+    assert float(_fp8_peers.mx_exponent(jnp.float32(449.0))) == 1
+    # The tiny block keeps e4m3's relative precision for its larger half.
+    tiny = slice(32, 64)
+    big = np.abs(x[0, tiny]) > 2.0**-44
+    np.testing.assert_allclose(q[0, tiny][big], x[0, tiny][big], rtol=2.0**-4)
+    # 784 = 24 x 32 + 16: the last 16 elements are a block of their own.
+    y = np.full((784,), 1000.0, np.float32)
+    y[-16:] = 1e-3
+    qy = np.asarray(_fp8_peers.mx_round(jnp.asarray(y), (0,)))
+    np.testing.assert_allclose(qy[-16:], 1e-3, rtol=2.0**-4)
+    # Another axis order: the contraction first (a kernel's), each column its own blocks.
+    np.testing.assert_array_equal(
+        np.asarray(_fp8_peers.mx_round(jnp.asarray(x.T), (0,))), q.T)
+
+
+def test_mxfp8_matches_jax_scaled_dot_general(monkeypatch):
+    """The simulation against jax's own ``jax.nn.scaled_dot_general`` with its default
+    MXFP8 configs, the cuDNN block-scaled matmul (no CPU lowering) replaced by what it
+    computes (dequantize each block by its e8m0 scale, an fp32 matmul): the same output
+    and the same gradients of the input and the kernel, bit for bit (so the same blocks,
+    scales and formats in the backward pass too)."""
+    sms = pytest.importorskip("jax._src.cudnn.scaled_matmul_stablehlo")
+
+    def block_scaled_matmul(a, b, a_scales, b_scales, preferred_element_type=jnp.float32):
+        def dequantize(v, s):
+            s = sms.e8m0_to_dtype(s.view(jnp.uint8), jnp.float32)
+            n, m, k = v.shape
+            return (v.astype(jnp.float32).reshape(n, m, k // 32, 32) * s[..., None]).reshape(
+                n, m, k)
+        out = jnp.einsum("bmk,bnk->bmn", dequantize(a, a_scales), dequantize(b, b_scales))
+        return out.astype(preferred_element_type)
+
+    monkeypatch.setattr(sms, "scaled_matmul_wrapper", block_scaled_matmul)
+    keys = iter(jax.random.split(jax.random.key(0), 6))
+
+    def spread(shape):
+        """bf16 values (the model's), in fp32 so that both return fp32, over 16 binades:
+        a block's smallest values are e4m3 subnormals at its scale, so which elements
+        share a block (and so a scale) shows in the result."""
+        v = jax.random.normal(next(keys), shape) * jnp.exp2(
+            jax.random.randint(next(keys), shape, -8, 8).astype(jnp.float32))
+        return v.astype(jnp.bfloat16).astype(jnp.float32)
+
+    x, kernel, w = spread((2, 64, 64)), spread((64, 96)), spread((2, 64, 96))
+    dn = (((2,), (0,)), ((), ()))
+    configs = [jax.nn.get_scaled_dot_general_config("mxfp8")] * 3
+
+    def theirs(a, b):
+        return jax.nn.scaled_dot_general(a, b, dn, preferred_element_type=jnp.float32,
+                                         configs=configs)
+
+    def ours(a, b):
+        return _fp8_peers.mxfp8_dot(a, b, dn)
+
+    def check(a, b):
+        """Both outputs and both gradients, in one compile."""
+        outs = [f(a, b) for f in (ours, theirs)]
+        grads = [jax.grad(lambda a, b, f=f: jnp.sum(w * f(a, b)), (0, 1))(a, b)
+                 for f in (ours, theirs)]
+        return outs, grads
+
+    (out, out_jax), ((dx, dk), (dx_jax, dk_jax)) = jax.jit(check)(x, kernel)
+    np.testing.assert_array_equal(out, out_jax)
+    assert not np.array_equal(out, x @ kernel)  # quantized
+    np.testing.assert_array_equal(dx, dx_jax)
+    np.testing.assert_array_equal(dk, dk_jax)
+
+
+def test_qwix_missing_says_how_to_install(monkeypatch, tmp_path, capsys):
+    """Without qwix, fp8-qwix asked for by name stops with the pip command; the default
+    suite of a task that runs it skips it, saying so."""
+    monkeypatch.setitem(sys.modules, "qwix", None)  # import qwix raises ImportError
+    assert "pip install qwix" in _fp8_peers.qwix_missing()
+    with pytest.raises(ImportError, match="pip install qwix"):
+        _fp8_peers.qwix_model(_models.sigmoid_mlp())
+    with pytest.raises(SystemExit, match="config fp8-qwix: .*pip install qwix"):
+        _cli.main(["--tasks", "code-gpt", "--configs", "fp32,fp8-qwix", "--out",
+                   str(tmp_path)])
+    monkeypatch.setattr(_runner, "Runner", None)  # nothing may run: the data is missing
+    monkeypatch.setattr(_tasks.Task, "available", lambda self: "no data here")
+    with pytest.raises(SystemExit, match="nothing to run"):
+        _cli.main(["--out", str(tmp_path)])
+    assert "skipping config fp8-qwix: " in capsys.readouterr().err
 
 
 def test_current_fp8_scaling_rounds_each_tensor_at_its_own_amax():

@@ -130,8 +130,18 @@ def main(argv=None) -> int:
     if not seeds or (args.steps is not None and args.steps < 2):
         raise SystemExit("error: need at least one seed and --steps >= 2")
 
-    # Data first: a missing package stops an explicit request, and is skipped (with the
-    # install command) in the default suite.
+    # A configuration's missing package (fp8-qwix needs qwix) stops an explicit request,
+    # and is skipped (with the install command) in the default suite.
+    for config in sorted({c for cs in plan.values() for c in cs}):
+        msg = _configs.CONFIGS[config].available()
+        if msg is None:
+            continue
+        if args.configs:
+            raise SystemExit(f"error: config {config}: {msg}")
+        print(f"skipping config {config}: {msg}", file=sys.stderr)
+        plan = {k: [c for c in v if c != config] for k, v in plan.items()}
+    plan = {k: v for k, v in plan.items() if v}
+    # Then the data, alike.
     print(f"adaloss_jax bench: loading the data of {', '.join(sorted({t for t, _ in plan}))}",
           file=sys.stderr, flush=True)
     for task in sorted({t for t, _ in plan}):

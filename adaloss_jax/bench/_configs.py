@@ -23,8 +23,8 @@ DYNAMIC_PERIOD = 200
 @dataclasses.dataclass(frozen=True)
 class Config:
     """``kind``: "global" (a global scaler), "adaptive", "flax" (flax's DynamicScale) or
-    "fp8" (an fp8 recipe in every dense layer, ``fp8``: "delayed" or "current",
-    :mod:`adaloss_jax.bench._fp8_peers`)."""
+    "fp8" (an fp8 recipe in every dense layer, ``fp8``: "delayed", "current", "qwix" or
+    "mxfp8", :mod:`adaloss_jax.bench._fp8_peers`)."""
 
     name: str
     description: str
@@ -33,6 +33,15 @@ class Config:
     adaptive: dict | None = None  # keyword arguments of alj.adaptive()
     make_scaler: Callable[[], Any] = alj.no_scaling  # the scaler of kind "global"
     fp8: str | None = None  # the recipe of kind "fp8"
+
+    def available(self) -> str | None:
+        """``None`` when the config can run here, else the message saying what to install
+        (fp8-qwix needs qwix)."""
+        if self.fp8 == "qwix":
+            from adaloss_jax.bench import _fp8_peers
+
+            return _fp8_peers.qwix_missing()
+        return None
 
     def scaler(self) -> Any:
         """The config's scaler: global (kind "global") or adaptive."""
@@ -92,6 +101,16 @@ CONFIGS: dict[str, Config] = {
                "TransformerEngine's current scaling and torchao's tensorwise recipe; e4m3 "
                "inputs and kernels, e5m2 output gradients); no loss scaling", jnp.bfloat16,
                "fp8", fp8="current"),
+        Config("fp8-qwix", "bfloat16 model, Google's qwix quantized training with MaxText's "
+               "fp8_full rule on every Dense (e4m3 inputs and kernels, e5m2 output "
+               "gradients, absmax scales per row of the inputs and per output channel of "
+               "the kernels, from the same step); no loss scaling", jnp.bfloat16, "fp8",
+               fp8="qwix"),
+        Config("fp8-mxfp8", "bfloat16 model, MXFP8 as jax.nn.scaled_dot_general does it, "
+               "simulated, in every Dense (e4m3 inputs, kernels and output gradients in "
+               "blocks of 32 along each product's contraction, one power-of-two scale per "
+               "block rounded up from its amax); no loss scaling", jnp.bfloat16, "fp8",
+               fp8="mxfp8"),
     )
 }
 
@@ -104,14 +123,15 @@ FULL = {
                   and c not in ("fp16-ada-block", "fp16-ada-same", "e4m3-same")),
 }
 # The deep tasks (code-gpt-deep, fmnist-sigmoid): where per-layer scales matter, and the
-# fp8 peer. Their suite runs these, tiny regime only.
+# fp8 peers. Their suite runs these, tiny regime only.
 # fp16-ada-block (max_depth=1) only here, where depth is the question. No fp8 block
 # config: with max_depth a simulated format rounds only at group boundaries, a weaker
 # simulation than the module configs', so the two would not be comparable.
 DEPTH = ("fp32", "bf16", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module",
          "fp16-ada-block", "fp16-ada-same", "e5m2-global", "e5m2-module", "e4m3-global",
-         "e4m3-module", "e4m3-same", "fp8-flax", "fp8-current")
+         "e4m3-module", "e4m3-same", "fp8-flax", "fp8-current", "fp8-qwix", "fp8-mxfp8")
 # The scanned deep tasks (code-gpt-deep-scan, fmnist-sigmoid-scan): what a user of a
-# scanned model gets, against both fp8 peers.
+# scanned model gets, against the fp8 peers (qwix quantizes inside nn.scan too).
 SCANNED = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module", "fp16-ada-same",
-           "e4m3-global", "e4m3-module", "e4m3-same", "fp8-flax", "fp8-current")
+           "e4m3-global", "e4m3-module", "e4m3-same", "fp8-flax", "fp8-current", "fp8-qwix",
+           "fp8-mxfp8")

@@ -3,7 +3,8 @@
 Each takes ``dtype``, the compute dtype; parameters stay float32 (master weights), so the
 same definition serves every configuration with only the compute dtype switched. The GPT
 and the MLPs also take ``dot_general_cls``, handed to every ``nn.Dense`` (``None``: plain
-``lax.dot_general``); the fp8 peer configuration passes flax's ``Fp8DotGeneralOp`` there.
+``lax.dot_general``); the fp8 peer configurations pass their fp8 dot products there
+(:mod:`adaloss_jax.bench._fp8_peers`; qwix instead wraps the whole model).
 """
 
 from __future__ import annotations

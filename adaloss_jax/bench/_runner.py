@@ -82,8 +82,8 @@ class Runner:
             raise ValueError(f"unknown regime {regime!r}; choose from {', '.join(REGIMES)}")
         self.task, self.config, self.regime, self.steps = task, config, regime, steps
         kind = config.kind
-        self.model = model = task.model(
-            config.dtype, _fp8_peers.DOT_CLASSES[config.fp8] if kind == "fp8" else None)
+        self.model = model = _fp8_peers.peer_model(
+            task.model, config.dtype, config.fp8 if kind == "fp8" else None)
         self.mult = mult = 2.0**-TINY_SHIFT if regime == "tiny" else 1.0
         inner = task.make_optimizer(steps)
         if regime == "tiny":  # undo the loss multiplier after unscaling: fp32 unchanged
@@ -151,7 +151,8 @@ class Runner:
 
     def _fp8_inside(self, params, model_state) -> bool:
         """Whether the model computes in fp8 (flax's scaling state, or fp8 values in
-        its traced loss)."""
+        its traced loss: the casts of fp8-current and fp8-mxfp8, qwix's quantised
+        operands)."""
         if FP8_STATE in model_state:
             return True
         batch = self.task.batches(0, 1)(0)
@@ -164,6 +165,13 @@ class Runner:
         if self.config.kind == "fp8" and not self._fp8_inside(params, model_state):
             fp8_tasks = [t.name for t in _tasks.TASKS.values() if t.configs
                          and self.config.name in t.configs]
+            if self.config.fp8 == "qwix":
+                raise ValueError(
+                    f"config {self.config.name}: task {self.task.name}'s model has no dense "
+                    f"layer qwix quantizes (its rule takes every lax.dot_general but the "
+                    f"embedding's), so it would train without fp8 under an fp8 label; run "
+                    f"{self.config.name} on {', '.join(fp8_tasks)}, or give the model "
+                    f"nn.Dense layers")
             raise ValueError(
                 f"config {self.config.name}: task {self.task.name}'s model has no dense layer "
                 f"that takes dot_general_cls, so it would train without fp8 under an fp8 "

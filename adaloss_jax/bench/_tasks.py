@@ -23,7 +23,7 @@ task               model and data                                              q
 The two deep tasks (``code-gpt-deep``, ``fmnist-sigmoid``) are where per-layer scales
 matter; by default they run the configurations of ``_configs.DEPTH`` (fp32, bf16, fp16
 dynamic, adaptive global and per-layer, e4m3 and e5m2 cotangents global and per-layer,
-and the two fp8 peers) with more probe steps, for the underflow heat maps; their
+and the fp8 peers) with more probe steps, for the underflow heat maps; their
 scanned variants run ``_configs.SCANNED``.
 
 Splits are fixed (split seed 0); the training seed sets the initialisation and the order

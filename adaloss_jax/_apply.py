@@ -350,31 +350,31 @@ class Program:
                          {name: (jnp.stack([live.inputs[g][0] for g in slots]),
                                  jnp.stack([live.inputs[g][1] for g in slots]))
                           for name, slots in groups.items()})
+        tokens = []  # a chain's: the carried token of the layer executed next
         if chain is not None:
-            token = sum(live.tokens.pop(chain.slots[chain.first], []), token)
+            tokens = [sum(live.tokens.pop(chain.slots[chain.first], []), token)]
 
         def step(carry, x):
-            (*carry, token), (xs_i, rows_i, ratios_i, layer) = carry, x
+            (xs_i, rows_i, ratios_i, layer), carried = x, carry[ncar:]
             here = {**ratios, **dict(zip(layered, ratios_i))}
             ctx = None
             if groups:
                 sigma_i, inputs_i = layer
                 ctx = live._replace(sigma={**live.sigma, **dict(zip(anchors, sigma_i))},
-                                    inputs=inputs_i,
-                                    tokens={_live.CHAIN_X: [token]} if chain else {})
-            outs = self._eval(sub.jaxpr, sub.consts, [*consts, *carry, *xs_i], list(rows_i),
-                              here, ctx)
+                                    inputs=inputs_i, tokens={_live.CHAIN_X: carried})
+            outs = self._eval(sub.jaxpr, sub.consts, [*consts, *carry[:ncar], *xs_i],
+                              list(rows_i), here, ctx)
             if chain is not None:
-                token = sum(ctx.tokens.pop(_live.CHAIN_Y), jnp.zeros((), jnp.float32))
-            return [*outs[:ncar], token], outs[ncar:]
+                carried = [sum(ctx.tokens.pop(_live.CHAIN_Y), jnp.zeros((), jnp.float32))]
+            return [*outs[:ncar], *carried], outs[ncar:]
 
-        (*carry, token), ys = jax.lax.scan(
-            step, [*init, token], (list(xs), list(block), [ratios[q] for q in layered],
-                                   per_layer),
+        carry, ys = jax.lax.scan(
+            step, [*init, *tokens], (list(xs), list(block), [ratios[q] for q in layered],
+                                     per_layer),
             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
         if chain is not None and chain.last is not None:
-            live.tokens.setdefault(chain.last, []).append(token)
-        return [*carry, *ys]
+            live.tokens.setdefault(chain.last, []).append(carry[ncar])
+        return [*carry[:ncar], *ys]
 
 
 class _LiveContext(NamedTuple):

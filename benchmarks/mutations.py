@@ -49,8 +49,8 @@ MUTATIONS = {
         "a point converts into a region that decided at the region's planned scale"),
     "same-step-chain-carry-dropped": (
         "adaloss_jax/_apply.py",
-        "                carried = [sum(ctx.tokens.pop(_live.CHAIN_Y), jnp.zeros((), jnp.float32))]",
-        "                carried = [jnp.zeros((), jnp.float32)]",
+        "carried = [sum(ctx.tokens.pop(_live.CHAIN_Y), jnp.zeros((), jnp.float32))]",
+        "carried = [jnp.zeros((), jnp.float32)]",
         ["tests/test_live.py"],
         "a scanned chain's layer reads the next layer's planned scale, not its choice"),
     "same-step-layer-regions-planned": (

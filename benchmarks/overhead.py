@@ -78,7 +78,7 @@ def host_round_trips(hlo_text: str) -> int:
 
 def measure(size: str, layers: int | None, rounds: int, steps: int,
             compile_repeats: int = 3, configs=CONFIGS, batch: int | None = None,
-            scan: bool = False) -> list[dict]:
+            scan: bool = False, clock=time.perf_counter) -> list[dict]:
     n_layers, d, heads, ctx, default_batch = SIZES[size]
     n_layers, batch = layers or n_layers, batch or default_batch
     rng = np.random.default_rng(0)
@@ -99,9 +99,9 @@ def measure(size: str, layers: int | None, rounds: int, steps: int,
             opt_state, _ = steps_of[row["config"]]
             # A fresh step function each time: jax caches traces and executables by it.
             _, step = build_step(row["config"], model_of[row["config"]], params)
-            t0 = time.perf_counter()
+            t0 = clock()
             compiled = jax.jit(step).lower(params, opt_state, data).compile()
-            row["compile_times"].append(time.perf_counter() - t0)
+            row["compile_times"].append(clock() - t0)
             runners[row["config"]] = (compiled, [params, opt_state])
     for row in rows:
         compiled, state = runners[row["config"]]
@@ -139,6 +139,9 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
     parser.add_argument("--compile-repeats", type=int, default=3)
     parser.add_argument("--scan", action="store_true", help="the blocks in one nn.scan")
+    parser.add_argument("--cpu-clock", action="store_true",
+                        help="compile time as this process's CPU seconds (steadier than "
+                             "wall time where other jobs share the cores)")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma list of {list(ALL_CONFIGS)}")
     args = parser.parse_args(argv)
@@ -154,6 +157,7 @@ def main(argv=None) -> int:
     print(f"# jax {jax.__version__}, backend {jax.default_backend()}, "
           f"{os.cpu_count()} CPUs; median of {args.rounds} rounds x {args.steps} steps, "
           f"compile: median of {args.compile_repeats}"
+          f"{' (CPU seconds)' if args.cpu_clock else ''}"
           f"{'; blocks in one nn.scan' if args.scan else ''}")
     header = ("size", "layers", "d", "config", "step ms", "x dyn", "compile s", "x dyn",
               "temp MiB", "x dyn", "host trips")
@@ -162,7 +166,8 @@ def main(argv=None) -> int:
     for size in sizes:
         for layers in layer_list:
             for r in measure(size, layers, args.rounds, args.steps,
-                             args.compile_repeats, configs, scan=args.scan):
+                             args.compile_repeats, configs, scan=args.scan,
+                             clock=time.process_time if args.cpu_clock else time.perf_counter):
                 rows.append(r)
                 print(f"{r['size']:<6} {r['layers']:>6} {r['d_model']:>4} {r['config']:<16} "
                       f"{r['step_ms']:>8.1f} {r['step_ratio']:>6.3f} {r['compile_s']:>9.2f} "

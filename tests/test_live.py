@@ -325,6 +325,49 @@ def test_a_chain_decides_every_layer_and_the_stacks_consumer():
     assert moved >= {"stack[0]", "stack[1]", "stack[2]", "head"}, moved
 
 
+_STACK_AROUND = {
+    "none": lambda f: f,
+    "jit": jax.jit,
+    "remat": jax.checkpoint,
+    "cond": lambda f: lambda p, x, y=None: jax.lax.cond(
+        jnp.sum(x.astype(jnp.float32)) > -1e9, f, lambda p, x: 0.0 * f(p, x), p, x),
+    "vmap": lambda f: lambda p, x, y=None: jnp.mean(jax.vmap(
+        lambda xi: f(p, xi[None]))(x)),
+}
+
+
+@pytest.mark.parametrize("around", list(_STACK_AROUND))
+def test_a_scanned_chain_decides_under_transformations_of_the_loss(around):
+    """A chain under a transformation of the whole loss (its scan then inside a
+    ``jit``, a ``checkpoint`` body, a ``cond`` branch or a ``vmap``): exact fp32
+    gradients under any prior, and every layer decides. Inside a ``cond`` branch a stack
+    gets no scale per layer yet (one scale for the stack, as before same-step)."""
+    from test_scanned_stacks import _layer_fn
+
+    dense = alj.scale_group("inp")(lambda w, x: x @ w["kernel"])
+    head = alj.scale_group("head")(lambda w, x: x @ w["kernel"])
+    stacked = alj.scale_group("stack")(_layer_fn(False))
+
+    def loss(p, x):
+        h = dense(p["inp"], x)
+        h, _ = jax.lax.scan(lambda c, w: (stacked(w, c), None), h, p["stack"])
+        return jnp.sum(head(p["head"], h) ** 2) * 2.0**-12
+
+    wrapped = _STACK_AROUND[around](loss)
+    p = _stack_params(3)
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    step, state = _grads_through(SAME_STEP, lambda p, x, y=None: wrapped(p, x), p, (x,))
+    prior = {"stack[0]": 5, "stack[1]": -3, "stack[2]": 9}
+    state = (state[0].with_log2_scales(prior), state[1])
+    got, _, stats = step(state, p, x, _Y)
+    assert_fp32_trees_close(got, jax.grad(wrapped)(p, x))
+    if around == "cond":  # a stack inside a cond branch gets no slots (one scale)
+        assert "stack[0]" not in stats.log2_scales
+        return
+    for g, s in prior.items():
+        assert float(stats.log2_scales[g]) != s, (g, around)
+
+
 @functools.cache
 def _gpt_twins():
     """The bench's byte GPT (3 pre-LN blocks, fp32) with its blocks unrolled and in one

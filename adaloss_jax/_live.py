@@ -148,8 +148,7 @@ def _chain(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
             or not isinstance(y, Steps) or any(len(a) != 1 for a in x)):
         return None
     slots = tuple(a[0] for a in x)
-    run = (range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length))
-    run = list(run)
+    run = list(range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length))
     if len(set(slots)) != len(slots) or ROOT in slots:
         return None
     if any(y[i] != x[j] for i, j in zip(run, run[1:])):  # exits into the next layer

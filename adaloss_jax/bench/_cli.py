@@ -108,6 +108,21 @@ def _header(args, argv) -> list[str]:
     ]
 
 
+def _available(plan: dict, kind: str, names, why, explicit: bool, drop) -> dict:
+    """``plan`` without the ``names`` (tasks or configs) that cannot run here (``why(name)``:
+    the reason, or ``None``): an explicit request for one stops the bench, the default
+    suite skips it and says so."""
+    for name in sorted(names):
+        msg = why(name)
+        if msg is None:
+            continue
+        if explicit:
+            raise SystemExit(f"error: {kind} {name}: {msg}")
+        print(f"skipping {kind} {name}: {msg}", file=sys.stderr)
+        plan = drop(plan, name)
+    return plan
+
+
 def main(argv=None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     args = parse_args(argv)
@@ -132,26 +147,16 @@ def main(argv=None) -> int:
 
     # A configuration's missing package (fp8-qwix needs qwix) stops an explicit request,
     # and is skipped (with the install command) in the default suite.
-    for config in sorted({c for cs in plan.values() for c in cs}):
-        msg = _configs.CONFIGS[config].available()
-        if msg is None:
-            continue
-        if args.configs:
-            raise SystemExit(f"error: config {config}: {msg}")
-        print(f"skipping config {config}: {msg}", file=sys.stderr)
-        plan = {k: [c for c in v if c != config] for k, v in plan.items()}
+    plan = _available(plan, "config", {c for cs in plan.values() for c in cs},
+                      lambda c: _configs.CONFIGS[c].available(), bool(args.configs),
+                      lambda p, c: {k: [x for x in v if x != c] for k, v in p.items()})
     plan = {k: v for k, v in plan.items() if v}
     # Then the data, alike.
     print(f"adaloss_jax bench: loading the data of {', '.join(sorted({t for t, _ in plan}))}",
           file=sys.stderr, flush=True)
-    for task in sorted({t for t, _ in plan}):
-        msg = _tasks.TASKS[task].available()
-        if msg is None:
-            continue
-        if args.tasks:
-            raise SystemExit(f"error: task {task}: {msg}")
-        print(f"skipping task {task}: {msg}", file=sys.stderr)
-        plan = {k: v for k, v in plan.items() if k[0] != task}
+    plan = _available(plan, "task", {t for t, _ in plan},
+                      lambda t: _tasks.TASKS[t].available(), bool(args.tasks),
+                      lambda p, t: {k: v for k, v in p.items() if k[0] != t})
     if not plan:
         raise SystemExit("error: nothing to run")
 

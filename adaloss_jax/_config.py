@@ -48,9 +48,10 @@ class AdaptiveScale:
     ``factor``                ``16.0``          back-off factor of a group that overflowed
     ``max_rise``              log2(factor) + 1  binades: a step whose statistics call for
                                                 a scale this much higher is not applied
-    ``same_step``             ``False``         ``True``: each module's scale set from the
-                                                cotangent entering it, in the same
-                                                backward pass (``groups="module"``)
+    ``same_step``             ``None``: on for  each module's scale set from the
+                              ``"module"`` with cotangent entering it, in the same
+                              ``"amax"``        backward pass; ``False``: the rule's
+                                                (last step's statistics)
     ``retries``               ``4``             passes a step may take again, at the
                                                 scales its statistics set, before it is
                                                 skipped (``0``: skip at once)
@@ -98,7 +99,9 @@ class AdaptiveScale:
         move, and the next step is computed at them. ``None``: ``log2(factor) + 1``: the
         step after a single backoff (back by ``log2(factor)``, plus a binade the
         statistics may have moved) is applied.
-      same_step: ``True``: each module's region of the backward stream chooses its
+      same_step: ``True`` (the default where ``groups="module"`` and
+        ``statistic="amax"``; ``None`` resolves to it there, else to ``False``): each
+        module's region of the backward stream chooses its
         scale where the backward pass first reaches it (its call's output point), from
         the cotangent arriving there, in the same backward pass: the largest power of
         two keeping that cotangent ``margin`` binades and the learned headroom below
@@ -109,7 +112,8 @@ class AdaptiveScale:
         divides by it. Regions whose border is not all in one scope (a point inside a
         scan or ``shard_map`` of the loss, or in another ``checkpoint`` body or
         ``cond`` branch), stacks of layers, the root and fan-ins keep the rule's scale.
-        Needs ``groups="module"`` and ``statistic="amax"``.
+        Needs ``groups="module"`` and ``statistic="amax"``. ``False``: every scale is
+        the rule's, set from the statistics of the steps before (and retried).
       retries: a step the rule would skip while it moves a scale (an overflow backed
         off, a step computed far below the scales its statistics call for, the first
         step at ``initial_scale``) is computed again inside the same step, at the new
@@ -158,7 +162,7 @@ class AdaptiveScale:
     max_loss_scale: float = 2.0**64
     factor: float = 16.0
     max_rise: int | None = None
-    same_step: bool = False
+    same_step: bool | None = None
     retries: int = 4
     max_consecutive_skips: int = 16
     max_depth: int | None = None
@@ -208,6 +212,9 @@ class AdaptiveScale:
         _validation.check_int("retries", self.retries, minimum=0)
         _validation.check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)
         _validation.check_bool("simulate", self.simulate)
+        if self.same_step is None:  # frozen: the resolved default is set once
+            object.__setattr__(self, "same_step",
+                               self.groups == "module" and self.statistic == "amax")
         _validation.check_bool("same_step", self.same_step)
         if self.same_step and (self.groups != "module" or self.statistic != "amax"):
             raise ValueError(

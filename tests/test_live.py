@@ -459,7 +459,8 @@ def test_a_chosen_scale_is_computed_once_not_copied_into_every_kernel_that_reads
 
 def test_same_step_off_keeps_the_prior_scales():
     params = {"d1": {"w": jnp.asarray(_W1)}, "d2": {"w": jnp.asarray(_W2)}}
-    scaler = alj.adaptive(groups="module", compute_dtype="float16", retries=0)
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", retries=0,
+                          same_step=False)
     step, state = _grads_through(scaler, _chain_loss, params, (jnp.asarray(_X),),
                                  {"": 3, "d1": -20, "d2": 30})
     _, _, stats = step(state, params, jnp.asarray(_X), _Y)
@@ -686,7 +687,7 @@ def test_one_global_scale_that_cannot_hold_the_span_says_module_groups_are_the_f
 # ------------------------------------------------ every front end and transformation
 
 
-@pytest.mark.filterwarnings("ignore:adaloss_jax. same_step=True, but no module")  # (drawn
+@pytest.mark.filterwarnings("ignore:adaloss_jax. same-step scales .same_step, on by")  # (drawn
 # cases where nothing can decide: a shard_map around the model, a cond inside it)
 @SLOW  # (its fixed siblings in the fast tier: the model cases above, checkpoint, jit, vmap)
 @PROPERTY

@@ -28,7 +28,8 @@ from adaloss_jax.flax import nnx_adaptive_value_and_grad
 
 W = 8
 SCALER = alj.adaptive(groups="module", max_rise=1000,  # arbitrary scales: never skip
-                      compute_dtype="float16")  # scale the fp32 twins too
+                      compute_dtype="float16",  # scale the fp32 twins too
+                      same_step=False)  # every scale the drawn one (test_live: same-step)
 
 
 def _layer_fn(residual: bool):

@@ -168,12 +168,14 @@ def main(argv=None) -> int:
         t = _tasks.TASKS[task]
         return args.steps or (t.quick_steps if args.quick else t.steps)
 
+    def key(task, regime, config, seed) -> tuple:  # as _report.row_key of its run's row
+        return (task, regime, config, seed, steps_of(task), _tasks.TASKS[task].settings,
+                _configs.CONFIGS[config].spec())
+
     todo = []
     for (task, regime), configs in plan.items():
-        t = _tasks.TASKS[task]
         for c in configs:
-            missing = [s for s in seeds if args.rerun or (task, regime, c, s, steps_of(task),
-                                                         t.settings) not in done]
+            missing = [s for s in seeds if args.rerun or key(task, regime, c, s) not in done]
             if missing:
                 todo.append((task, regime, c, missing))
     # The tiny regime (where the configurations differ) first, for every task.
@@ -209,8 +211,7 @@ def main(argv=None) -> int:
         signal.signal(signal.SIGTERM, previous)
     progress.close()
 
-    wanted = {(t, r, c, s, steps_of(t), _tasks.TASKS[t].settings)
-              for (t, r), cs in plan.items() for c in cs for s in seeds}
+    wanted = {key(t, r, c, s) for (t, r), cs in plan.items() for c in cs for s in seeds}
     rows = [r for r in _report.read_rows(raw) if _report.row_key(r) in wanted]
     _report.write_csv(os.path.join(args.out, "results.csv"), rows)
     plots = {}

@@ -43,6 +43,12 @@ class Config:
             return _fp8_peers.qwix_missing()
         return None
 
+    def spec(self) -> str:
+        """What a run of this config depends on beyond its name: an adaptive config's
+        resolved options (a bench result file keeps runs by it, so a run made under
+        another default is not taken for one of this config)."""
+        return repr(self.scaler()) if self.kind == "adaptive" else ""
+
     def scaler(self) -> Any:
         """The config's scaler: global (kind "global") or adaptive."""
         if self.kind == "adaptive":
@@ -71,7 +77,8 @@ CONFIGS: dict[str, Config] = {
                jnp.float16, "flax"),
         _ada("fp16-ada-global", "float16, one statistics-driven scale (adaptive, amax rule)",
              groups="global"),
-        _ada("fp16-ada-module", "float16, adaptive per-module scales, amax rule",
+        _ada("fp16-ada-module", "float16, adaptive per-module scales, amax rule, chosen in "
+             "the backward pass from the cotangent in hand (same-step, the default)",
              groups="module"),
         _ada("fp16-ada-gauss", "float16, adaptive per-module scales, the reference's "
              "Gaussian rule", groups="module", statistic="gaussian"),
@@ -82,13 +89,12 @@ CONFIGS: dict[str, Config] = {
         _ada("e5m2-module", "as e5m2-global with per-module scales", groups="module", **_E5M2),
         _ada("e4m3-global", "float16 model, cotangents rounded to fp8 e4m3fn at module "
              "outputs; one statistics-driven scale", groups="global", **_E4M3),
-        _ada("e4m3-module", "as e4m3-global with per-module scales", groups="module", **_E4M3),
-        _ada("fp16-ada-same", "float16, adaptive per-module scales chosen in the backward "
-             "pass from the cotangent in hand (same_step=True)", groups="module",
-             same_step=True),
-        _ada("e4m3-same", "as e4m3-module with scales chosen in the backward pass from the "
-             "cotangent in hand (same_step=True)", groups="module", same_step=True,
-             **_E4M3),
+        _ada("e4m3-module", "as e4m3-global with per-module scales (same-step, the default)",
+             groups="module", **_E4M3),
+        _ada("fp16-ada-delayed", "as fp16-ada-module with every scale set by the rule from "
+             "the steps before (same_step=False)", groups="module", same_step=False),
+        _ada("e4m3-delayed", "as e4m3-module with every scale set by the rule from the steps "
+             "before (same_step=False)", groups="module", same_step=False, **_E4M3),
         _ada("fp16-ada-block", "float16, adaptive per-layer scales, one per top-level module "
              "(a transformer block), points only at their boundaries", groups="module",
              max_depth=1),
@@ -120,7 +126,7 @@ FULL = {
     "ordinary": ("fp32", "bf16", "fp16-none", "fp16-dynamic", "fp16-ada-global",
                  "fp16-ada-module"),
     "tiny": tuple(c for c in CONFIGS if CONFIGS[c].kind != "fp8"
-                  and c not in ("fp16-ada-block", "fp16-ada-same", "e4m3-same")),
+                  and c not in ("fp16-ada-block", "fp16-ada-delayed", "e4m3-delayed")),
 }
 # The deep tasks (code-gpt-deep, fmnist-sigmoid): where per-layer scales matter, and the
 # fp8 peers. Their suite runs these, tiny regime only.
@@ -128,10 +134,11 @@ FULL = {
 # config: with max_depth a simulated format rounds only at group boundaries, a weaker
 # simulation than the module configs', so the two would not be comparable.
 DEPTH = ("fp32", "bf16", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module",
-         "fp16-ada-block", "fp16-ada-same", "e5m2-global", "e5m2-module", "e4m3-global",
-         "e4m3-module", "e4m3-same", "fp8-flax", "fp8-current", "fp8-qwix", "fp8-mxfp8")
+         "fp16-ada-block", "fp16-ada-delayed", "e5m2-global", "e5m2-module",
+         "e4m3-global", "e4m3-module", "e4m3-delayed", "fp8-flax", "fp8-current", "fp8-qwix",
+         "fp8-mxfp8")
 # The scanned deep tasks (code-gpt-deep-scan, fmnist-sigmoid-scan): what a user of a
 # scanned model gets, against the fp8 peers (qwix quantizes inside nn.scan too).
-SCANNED = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module", "fp16-ada-same",
-           "e4m3-global", "e4m3-module", "e4m3-same", "fp8-flax", "fp8-current", "fp8-qwix",
+SCANNED = ("fp32", "fp16-dynamic", "fp16-ada-global", "fp16-ada-module", "fp16-ada-delayed",
+           "e4m3-global", "e4m3-module", "e4m3-delayed", "fp8-flax", "fp8-current", "fp8-qwix",
            "fp8-mxfp8")

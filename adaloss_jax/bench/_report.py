@@ -20,8 +20,10 @@ SCALAR_FIELDS = (
 
 
 def row_key(row: dict) -> tuple:
+    """A run's identity: rows with the same key are the same run (``spec``: the config's
+    resolved options, :meth:`Config.spec`)."""
     return (row["task"], row["regime"], row["config"], row["seed"], row["steps"],
-            row["settings"])
+            row["settings"], row.get("spec", ""))
 
 
 def read_rows(path: str) -> list[dict]:

@@ -238,6 +238,7 @@ class Runner:
         row = {
             "task": self.task.name, "regime": self.regime, "config": self.config.name,
             "seed": seed, "steps": steps, "settings": self.task.settings,
+            "spec": self.config.spec(),
             "metric": self.task.metric, "quality": ev["quality"], "eval_loss": ev["eval_loss"],
             "diverged": not (params_finite and math.isfinite(ev["eval_loss"])),
             "skipped": int(np.sum(~applied)),

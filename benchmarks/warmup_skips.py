@@ -14,7 +14,7 @@ retried inside steps (``AdaptiveScaleState.total_retries``), the root's final lo
 
     python benchmarks/warmup_skips.py                 # the default: retries=4
     python benchmarks/warmup_skips.py --retries 0     # the rule alone: skips instead
-    python benchmarks/warmup_skips.py --same-step     # per module: same-step scales
+    python benchmarks/warmup_skips.py --delayed       # per module: the rule's scales alone
 """
 
 from __future__ import annotations
@@ -68,10 +68,10 @@ def _task(name):
     return model, params, loss_fn, x, y
 
 
-def run(name, groups, dtype, steps, retries, same_step=False):
+def run(name, groups, dtype, steps, retries, same_step=None):
     model, params, loss_fn, x, y = _task(name)
     scaler = alj.adaptive(groups=groups, grad_dtype=dtype, simulate=dtype != "float16",
-                          retries=retries, same_step=same_step and groups == "module")
+                          retries=retries, same_step=same_step)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
                               scaler=scaler)
     step = jax.jit(lambda s: train_step(s, loss_fn, x, y))
@@ -89,8 +89,9 @@ def main(argv=None):
     ap.add_argument("--tasks", default="attn5,gpt6,gpt6-scan")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--retries", type=int, default=alj.adaptive().retries)
-    ap.add_argument("--same-step", action="store_true",
-                    help="per module: scales chosen in the backward pass (same_step=True)")
+    ap.add_argument("--delayed", action="store_true",
+                    help="per module: every scale the rule's, from the steps before "
+                         "(same_step=False; the default chooses them in the backward pass)")
     ap.add_argument("--groups", default="module,global")
     args = ap.parse_args(argv)
     print(f"{'task':<10} {'format':<14} {'groups':<7} {'skipped':>7}  {'retries':>7}  "
@@ -99,7 +100,7 @@ def main(argv=None):
         for dtype in ("float16", "float8_e4m3fn"):
             for groups in args.groups.split(","):
                 skipped, retries, root = run(name, groups, dtype, args.steps, args.retries,
-                                             args.same_step)
+                                             False if args.delayed else None)
                 which = ",".join(map(str, skipped[:12])) + ("..." if len(skipped) > 12 else "")
                 print(f"{name:<10} {dtype:<14} {groups:<7} {len(skipped):>7}  {retries:>7}  "
                       f"{root:>5.0f}  {which or '-'}", flush=True)

@@ -363,11 +363,14 @@ def test_checkpoint_mid_run_continues_identically(tmp_path):
 
 @pytest.mark.slow
 def test_gradient_accumulation_with_multisteps():
-    """optax.MultiSteps around the adaptive chain: micro-batch gradients are accumulated
-    at fixed per-group scales and unscaled once; equals the fp32 mean gradient."""
+    """optax.MultiSteps around the literal adaptive chain, with every scale the rule's
+    (``same_step=False``): micro-batch gradients are accumulated at fixed per-group
+    scales and unscaled once; equals the fp32 mean gradient. (With same-step scales each
+    micro-batch chooses its own, and only the order of docs/accumulation.md is exact.)"""
     _, params, loss32, (x, y) = _setup("resnet", jnp.float32)
     scaler = alj.adaptive(compute_dtype="float16",  # an fp32 model, scaled all the same
-                          groups="module", max_rise=1000)  # applied at the chosen scales
+                          groups="module", max_rise=1000,  # applied at the chosen scales
+                          same_step=False)  # one window's scales fixed
     tx = optax.MultiSteps(
         optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0))), 2
     )

@@ -337,13 +337,15 @@ def test_transformed_model_measures_what_its_untransformed_twin_measures(
 
 @PROPERTY
 @given(front_end=st.sampled_from(FRONT_ENDS), around=st.sampled_from(AROUND),
-       inside=st.sampled_from(INSIDE), seed=st.integers(0, 2**16))
+       inside=st.sampled_from(INSIDE), same_step=st.booleans(), seed=st.integers(0, 2**16))
 def test_fp32_gradients_exact_under_arbitrary_per_group_scales(front_end, around, inside,
-                                                                 seed):
+                                                                 same_step, seed):
     """Through the whole optimizer: ``adaptive_unscale`` unscales each leaf by the scale
-    its group ran at (sgd(-1) hands the unscaled gradients out as the updates)."""
+    its group ran at (sgd(-1) hands the unscaled gradients out as the updates), whether
+    the scales are the drawn ones (``same_step=False``) or chosen in the pass from them."""
     scaler = alj.adaptive(compute_dtype="float16",  # fp32 models, scaled all the same
-                          groups="module", max_rise=1000)  # applied at the drawn scales
+                          groups="module", max_rise=1000,  # applied at the drawn scales
+                          same_step=same_step)
     case = build(front_end, around, inside, jnp.float32, scaler)
     rng = np.random.default_rng(seed)
     log2 = {g: int(rng.integers(-8, 16)) for g in case.state.groups}

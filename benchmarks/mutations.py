@@ -132,6 +132,19 @@ MUTATIONS = {
         "    if False:",
         ["tests/test_one_liner.py"],
         "an optimizer state built with another scaler is accepted"),
+    "same-step-not-the-default": (
+        "adaloss_jax/_config.py",
+        '                               self.groups == "module" and self.statistic == "amax")',
+        '                               False)',
+        ["tests/test_live.py::test_same_step_is_the_default_per_module_with_the_amax_statistic",
+         "tests/test_adaptive.py::test_simulated_e5m2_cotangents_scaled_beat_unscaled"],
+        "per module, the scales are the rule's unless same_step=True is passed"),
+    "bench-run-key-ignores-options": (
+        "adaloss_jax/bench/_report.py",
+        '            row["settings"], row.get("spec", ""))',
+        '            row["settings"], "")',
+        ["tests/test_bench.py::test_cli_end_to_end_and_resume"],
+        "a stored bench run made under other options (an older default) is reused"),
 }
 
 

@@ -44,6 +44,7 @@ ALL_CONFIGS = {
     "bf16": (jnp.bfloat16, None),
     "dynamic": (jnp.float16, lambda: alj.dynamic()),
     "adaptive-global": (jnp.float16, lambda: alj.adaptive(groups="global")),
+    # Per module: same-step scales since 0.3 (before, "adaptive" was "adaptive-delayed").
     "adaptive": (jnp.float16, lambda: alj.adaptive(groups="module")),
     # The same without the in-step retry loop (one pass a step, as before 0.3).
     "adaptive-r0": (jnp.float16, lambda: alj.adaptive(groups="module", retries=0)),
@@ -53,10 +54,15 @@ ALL_CONFIGS = {
     "global-block": (jnp.float16, lambda: alj.adaptive(groups="global", max_depth=1)),
     "e4m3-sim": (jnp.float16, lambda: alj.adaptive(groups="module", simulate=True,
                                                    grad_dtype="float8_e4m3fn")),
-    # Scales chosen in the backward pass (same_step=True), with and without the retry loop.
+    # Scales chosen in the backward pass (same_step=True, the default per module: as
+    # "adaptive" and "adaptive-r0"), and every scale the rule's (same_step=False), with and
+    # without the retry loop.
     "adaptive-same": (jnp.float16, lambda: alj.adaptive(groups="module", same_step=True)),
     "adaptive-same-r0": (jnp.float16, lambda: alj.adaptive(groups="module", same_step=True,
                                                            retries=0)),
+    "adaptive-delayed": (jnp.float16, lambda: alj.adaptive(groups="module", same_step=False)),
+    "adaptive-delayed-r0": (jnp.float16, lambda: alj.adaptive(groups="module",
+                                                              same_step=False, retries=0)),
 }
 HOST_PATTERNS = ("callback", "outfeed", "infeed", " send(", " recv(", "host_compute")
 

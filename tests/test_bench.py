@@ -80,6 +80,15 @@ def test_cli_end_to_end_and_resume(small_gpt, tmp_path, capsys):
     assert _cli.main(argv) == 0
     assert "0 runs to do (2 already" in capsys.readouterr().err
     assert len(_lines(os.path.join(out, "runs.jsonl"))) == 2
+    # A run made under other options of the same name (an older default) is run again.
+    raw = os.path.join(out, "runs.jsonl")
+    lines = _lines(raw)
+    for r in lines:
+        r["spec"] = r["spec"].replace("same_step=True", "same_step=False")
+    with open(raw, "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in lines)
+    assert _cli.main(argv) == 0
+    assert "1 runs to do (1 already" in capsys.readouterr().err
 
 
 @pytest.mark.slow

@@ -365,8 +365,10 @@ def adaptive_value_and_grad(
             grads = jax.tree_util.tree_unflatten(treedef, g_values)
             actual = used
             if live:  # the scales the live regions chose, each from its own cotangent
-                actual = GroupVector(groups, [chosen[g] if g in chosen else used[g]
-                                              for g in groups], split=True)
+                # (returned as their difference from the plan: a decider never reached
+                # leaves its region at the plan)
+                actual = GroupVector(groups, [prior.log2_scales[g] + chosen[g] if g in chosen
+                                              else used[g] for g in groups], split=True)
             return value, grads, _decode(program, sites, rows, actual, scaler, used)
 
         if scaler.same_step and not program.live.groups and len(groups) > 1:

@@ -180,7 +180,8 @@ class Program:
         :meth:`sites` row; ``ratios``: ``{(x anchors, y anchors): S_x / S_y}``;
         ``live``: ``(sigma, {group: (limits, chosen)}, axes)`` for the live regions
         (:attr:`live`): the planned log2 scale of every anchor set, per live group
-        its decider's limits and the zero input whose cotangent is its chosen scale,
+        its decider's limits and the zero input whose cotangent is its chosen scale's
+        difference from the plan,
         and the mapped axes every decider takes its amax over."""
         ctx = None
         if live is not None and self.live.groups:

@@ -407,12 +407,15 @@ def live_point(cfg: LiveConfig, xs: tuple, base: jax.Array, limits: jax.Array,
     """:func:`scale_point` on the border of live regions: identity on ``xs``, plus
     ``cfg.emits`` zero tokens. ``base = [x, y]``: the planned log2 scales of the two
     sides; a side in a live region reads its scale from an emitted token's cotangent,
-    or (the decider) chooses it (:func:`decide`, with ``limits``) and returns it as the
-    cotangent of ``chosen``, and as the cotangent of every token it ``taken`` its
-    difference from its planned scale::
+    or (the decider) chooses it (:func:`decide`, with ``limits``) and returns its
+    difference from the planned scale as the cotangent of ``chosen`` (from
+    ``limits[2]``, the group's plan) and of every token it ``taken`` (from ``base[0]``)::
 
         chosen side  = base[side] + cotangent of its token      (a token nobody took
                                                                  reads the plan)
+        group's scale = plan + cotangent of ``chosen``          (a decider the backward
+                                                                 pass never reaches, its
+                                                                 output unused: the plan)
 
     (a stack's carry holds a token that the last layer's consumer may not take)."""
     del base, limits, dummy, chosen, taken
@@ -420,13 +423,23 @@ def live_point(cfg: LiveConfig, xs: tuple, base: jax.Array, limits: jax.Array,
 
 
 def _live_point_fwd(cfg, xs, base, limits, dummy, chosen, taken):
-    del dummy, chosen
+    del dummy
     tokens = tuple(jnp.zeros((), jnp.float32) for _ in range(cfg.emits))
-    return (xs, tokens), (base, limits)
+    return (xs, tokens), (base, limits, chosen, taken)
+
+
+def _typed_as(v: jax.Array, primal: jax.Array) -> jax.Array:
+    """``v`` as the cotangent of ``primal`` under ``shard_map``'s types: reduced over
+    the mapped axes it varies over and ``primal`` does not. A choice varies there only
+    by type (its statistics were reduced over the devices; a state carried through the
+    retry loop of a map around the whole step is typed as varying), so every device
+    holds the same value and the max is it."""
+    extra = tuple(sorted(_varying_axes(v) - _varying_axes(primal)))
+    return jax.lax.pmax(v, extra) if extra else v
 
 
 def _live_point_bwd(cfg, res, cts):
-    base, limits = res
+    base, limits, chosen, taken = res
     cts, emitted = cts
     pc = cfg.point
     ly = base[1] if cfg.y_token is None else base[1] + emitted[cfg.y_token]
@@ -441,10 +454,12 @@ def _live_point_bwd(cfg, res, cts):
         out = tuple(_formats.round_to(c, pc.simulate) for c in out)
     row = (_over_devices(measure(cts, ratio, pc, amax), cts, pc.dummy_axes) if pc.measure
            else None)
-    mine = lx if cfg.decides else jnp.zeros((), jnp.float32)
+    # The choice as its difference from the plan (``limits[2]``), as a token's: a decider
+    # the backward pass never reaches (its module's output unused) reads the plan.
+    mine = lx - limits[2] if cfg.decides else jnp.zeros((), jnp.float32)
     moved = lx - base[0] if cfg.decides else mine
-    return (out, jnp.zeros_like(base), jnp.zeros_like(limits), row, mine,
-            tuple(moved for _ in range(cfg.takes)))
+    return (out, jnp.zeros_like(base), jnp.zeros_like(limits), row, _typed_as(mine, chosen),
+            tuple(_typed_as(moved, t) for t in taken))
 
 
 live_point.defvjp(_live_point_fwd, _live_point_bwd)

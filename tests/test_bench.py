@@ -557,7 +557,8 @@ def _row(config, seed, quality, *, metric="bits/byte", task="code-gpt", regime="
            "s_per_step": 0.02, "first_step_s": 1.0,
            "loss_curve": list(3.0 + quality - np.linspace(0, 1, steps)),
            "log2_scale_curve": [log2] * steps, "applied_curve": [True] * steps,
-           "probes": probes}
+           "probes": probes,  # a real run's options, as the runner writes them
+           "spec": _configs.CONFIGS[config].spec() if config in _configs.CONFIGS else ""}
     if adaptive:
         row["group_log2_scales"] = groups
     return row

@@ -719,3 +719,36 @@ def test_fp32_gradients_exact_under_same_step_scales_and_transformations(
     log2 = {g: int(rng.integers(-8, 16)) for g in case.state.groups}
     unscaled, _ = unscaled_through_optimizer(case, scaler, log2)
     assert_fp32_trees_close(unscaled, case.reference())
+
+
+class _DeadBranch(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        nn.Dense(4, name="dead", dtype=jnp.float16)(x)  # its output reaches nothing
+        h = jnp.tanh(nn.Dense(4, name="first", dtype=jnp.float16)(x))
+        return nn.Dense(2, name="last", dtype=jnp.float16)(h)
+
+
+def test_a_module_whose_output_reaches_nothing_keeps_its_planned_scale():
+    """A decider the backward pass never reaches (its module's output unused): its region
+    stays at the rule's scale, as the other points of the region read it, and the steps
+    are applied (found by the random NNX graphs: a dead region reported at scale 1 made
+    the rule skip every step, asking for the plan it never got)."""
+    model = _DeadBranch()
+    x = jax.random.normal(jax.random.key(0), (8, 4))
+    params = model.init(jax.random.key(1), x)["params"]
+
+    def loss_fn(p, x, y):
+        out = model.apply({"params": p}, x).astype(jnp.float32)
+        return jnp.mean((out - y) ** 2) * 2.0**-16
+
+    step, state = _grads_through(alj.adaptive(groups="module"), loss_fn, params, (x,))
+    y = jnp.zeros((8, 2))
+    for _ in range(3):
+        grads, state, stats = step(state, params, x, y)
+        assert bool(state[0].last_applied)
+        assert float(stats.log2_scales["dead"]) == float(state[0].log2_scales["dead"])
+        assert float(stats.log2_scales["first"]) > 0  # the live groups decide
+    assert not np.any(np.asarray(grads["dead"]["kernel"]))
+    ref = jax.grad(loss_fn)(params, x, y)
+    assert_fp32_trees_close(grads["first"], ref["first"], rtol=2e-2)

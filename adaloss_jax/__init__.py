@@ -8,6 +8,7 @@ from adaloss_jax._adaptive import (
 )
 from adaloss_jax._check import GradientCheck, check_gradients
 from adaloss_jax._checkpoint import load_state, save_state
+from adaloss_jax._common import LossScaleState, all_finite, select_tree
 from adaloss_jax._config import AdaptiveScale, adaptive
 from adaloss_jax._diagnostics import check_health, scale_summary, scale_table, status_line
 from adaloss_jax._formats import (
@@ -20,10 +21,10 @@ from adaloss_jax._formats import (
     FloatFormat,
     float_format,
 )
+from adaloss_jax._lookup import scale_state
 from adaloss_jax._policies import (
     DynamicLossScale,
     GlobalScaler,
-    LossScaleState,
     NoLossScale,
     StaticLossScale,
     dynamic,
@@ -31,16 +32,12 @@ from adaloss_jax._policies import (
     static,
 )
 from adaloss_jax._record import scale_group
+from adaloss_jax._skip import SkipNonFiniteState, skip_nonfinite
 from adaloss_jax._state import AdaptiveScaleState, GroupVector, ScaleStats
 from adaloss_jax._transforms import (
     LossScaleStats,
-    SkipNonFiniteState,
-    all_finite,
     loss_scaled,
     scale_loss,
-    scale_state,
-    select_tree,
-    skip_nonfinite,
     unscale,
     value_and_grad,
 )

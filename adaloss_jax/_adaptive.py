@@ -28,30 +28,26 @@ import optax
 from adaloss_jax import (
     _apply,
     _channel,
+    _common,
     _config,
     _formats,
-    _policies,
+    _lookup,
     _record,
     _rule,
+    _skip,
     _stream,
-    _transforms,
     _tree,
 )
+from adaloss_jax._common import check_fingerprint, fingerprint, in_shard_map
 from adaloss_jax._config import AdaptiveScale
 from adaloss_jax._state import (
     HEALTH_FOREIGN_GRADS,
     AdaptiveScaleState,
     GroupVector,
     ScaleStats,
-    check_fingerprint,
-    fingerprint,
-    in_shard_map,
     initial_state,
-    slot_name,
-    slot_runs,
-    split_slot,
 )
-from adaloss_jax._tree import ROOT
+from adaloss_jax._tree import ROOT, slot_name, slot_runs, split_slot
 
 # ------------------------------------------------------------------------------ groups
 
@@ -214,7 +210,7 @@ def _wide(rec: _record.Recording, scaler: AdaptiveScale) -> bool:
     narrow = {jnp.dtype(jnp.float16), jnp.dtype(scaler.format.dtype)}
     if scaler.simulate or not rec.calls or rec.dtypes & narrow:
         return False
-    _policies.notice_once("wide-model", WIDE_MODEL.format(
+    _common.notice_once("wide-model", WIDE_MODEL.format(
         seen=sorted(d.name for d in rec.dtypes)))
     return True
 
@@ -372,7 +368,7 @@ def adaptive_value_and_grad(
             return value, grads, _decode(program, sites, rows, actual, scaler, used)
 
         if scaler.same_step and not program.live.groups and len(groups) > 1:
-            _policies.notice_once("same-step-none", SAME_STEP_NONE)
+            _common.notice_once("same-step-none", SAME_STEP_NONE)
         if _wide(rec, scaler):
             (loss, aux), grads, stats = _unscaled(attempt, state)
         elif scaler.retries:
@@ -424,10 +420,10 @@ def _unscaled(attempt: Callable, state: AdaptiveScaleState):
     one = GroupVector(state.groups, jnp.zeros_like(state.log2_scales.array))
     value, grads, stats = attempt(one)
     axis_name = _bound(state.axis_name)
-    base = _policies.count_step(
+    base = _common.count_step(
         state.base._replace(loss_scale=jnp.ones_like(state.base.loss_scale)),
-        _transforms.all_finite(grads, axis_name=axis_name),
-        _transforms.all_finite(value[0], axis_name=axis_name))
+        _common.all_finite(grads, axis_name=axis_name),
+        _common.all_finite(value[0], axis_name=axis_name))
     verdict = {f: getattr(state, f) for f in RETRIED}
     verdict.update(log2_scales=one, base=base, health=state.health,
                    retries=jnp.zeros((), jnp.int32))
@@ -550,7 +546,7 @@ def _in_use(scales: GroupVector, groups: list[str]) -> GroupVector:
 def adaptive_state(tree: Any) -> AdaptiveScaleState:
     """The :class:`~adaloss_jax.AdaptiveScaleState` inside an optimizer state (or a
     ``TrainState``, an ``nnx.Optimizer``), or an error naming how to build one."""
-    state = _transforms.training_state(tree)
+    state = _lookup.training_state(tree)
     if not isinstance(state, AdaptiveScaleState):
         raise ValueError(
             "the optimizer state holds a global scaler's state, not an adaptive one; build "
@@ -700,7 +696,7 @@ def _measured(state: AdaptiveScaleState, stats: ScaleStats, p_amax, loss,
     nonfinite = _reduce((stats.nonfinite | jnp.any(p_nonfinite)).astype(jnp.int32),
                         jax.lax.pmax, axis_name) > 0
     loss_finite = (jnp.asarray(True) if loss is None
-                   else _transforms.all_finite(loss, axis_name=axis_name))
+                   else _common.all_finite(loss, axis_name=axis_name))
     used = jnp.where(active, full(stats.log2_scales, 0.0, jnp.float32),
                      state.log2_scales.array)
     return _rule.Measured(
@@ -773,7 +769,7 @@ def adaptive_unscale(
             foreign = _foreign(received, scale_stats.grad_amax, _bound(axis_name))
             state = state.replace(
                 health=state.health | jnp.where(foreign, HEALTH_FOREIGN_GRADS, 0))
-        return _transforms.signal_skip(updates, state.base.last_applied), state
+        return _skip.signal_skip(updates, state.base.last_applied), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -806,7 +802,7 @@ def adaptive_scaled(
     1.0
     """
     return optax.chain(adaptive_unscale(scaler, axis_name=axis_name),
-                       _transforms.skip_nonfinite(inner))
+                       _skip.skip_nonfinite(inner))
 
 
 def _check_scaler(scaler) -> None:

@@ -29,9 +29,9 @@ import jax.extend.core as jcore
 import jax.numpy as jnp
 
 from adaloss_jax import _channel, _formats, _jaxpr, _live
-from adaloss_jax._state import slot_name
+from adaloss_jax._common import min_once
 from adaloss_jax._stream import Plan, Steps
-from adaloss_jax._transforms import min_once
+from adaloss_jax._tree import slot_name
 
 
 class Site(NamedTuple):

@@ -5,12 +5,11 @@ flax ``TrainState``, an ``nnx.Optimizer``) and works for global and adaptive sca
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any
 
 import jax
 
-from adaloss_jax import _policies, _transforms, _tree
+from adaloss_jax import _common, _lookup, _tree
 from adaloss_jax._state import (
     HEALTH_FOREIGN_GRADS,
     HEALTH_NOTHING_MEASURED,
@@ -18,8 +17,8 @@ from adaloss_jax._state import (
     HEALTH_SKIPPING,
     HEALTH_SPAN,
     AdaptiveScaleState,
-    split_slot,
 )
+from adaloss_jax._tree import split_slot
 
 
 def _groups(tree: Any) -> tuple[Any, list[tuple[str, float, float, bool]]]:
@@ -27,7 +26,7 @@ def _groups(tree: Any) -> tuple[Any, list[tuple[str, float, float, bool]]]:
     global scaler is one group, the root, with nothing measured. A stack's slots
     (``g[0]``, ``g[1]``, ...) are rows once one of them was measured; until then its
     own scale is."""
-    st = jax.device_get(_transforms.scale_state(tree))
+    st = jax.device_get(_lookup.scale_state(tree))
     if not isinstance(st, AdaptiveScaleState):
         overflowed = not bool(st.last_applied) and int(st.total_skipped) > 0
         return st, [(_tree.ROOT, math.log2(float(st.loss_scale)), -math.inf, overflowed)]
@@ -186,7 +185,6 @@ _HEALTH_TEXT = {
     ),
 }
 _SKIPPING_LIMIT = 16  # a global scaler's state has no limit of its own: the adaptive default
-_WARNED: set = set()
 
 
 def check_health(tree: Any, *, warn: bool = True) -> list[str]:
@@ -215,8 +213,5 @@ def check_health(tree: Any, *, warn: bool = True) -> list[str]:
     msgs = [t.format(k=k) for b, t in _HEALTH_TEXT.items() if bits & b]
     if warn:
         for m in msgs:
-            if m not in _WARNED:
-                _WARNED.add(m)
-                warnings.warn(f"adaloss_jax: {m}", RuntimeWarning,
-                              stacklevel=_policies.user_stacklevel())
+            _common.notice_once(f"health: {m}", f"adaloss_jax: {m}", RuntimeWarning)
     return msgs

@@ -45,9 +45,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
-from adaloss_jax._state import split_slot
 from adaloss_jax._stream import Steps
-from adaloss_jax._tree import ROOT
+from adaloss_jax._tree import ROOT, split_slot
 
 
 class Chain(NamedTuple):

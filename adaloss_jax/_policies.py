@@ -10,75 +10,12 @@ flattened).
 from __future__ import annotations
 
 import dataclasses
-import os
-import sys
-import warnings
-from typing import Any, NamedTuple
+from typing import Any
 
-import jax
 import jax.numpy as jnp
 
 from adaloss_jax import _formats, _validation
-
-
-class LossScaleState(NamedTuple):
-    """State of a global loss scale.
-
-    Attributes:
-      loss_scale: current scale, fp32 scalar, always a finite power of two > 0.
-      finite_count: consecutive applied steps since the scale last changed
-        (jmp ``counter``, flax ``fin_steps``, torch ``_growth_tracker``).
-      hysteresis_left: gradient overflows still tolerated before the scale backs off.
-      notfinite_count: consecutive skipped steps (any cause).
-      total_applied: steps whose update was applied.
-      total_skipped: steps skipped (gradient overflow or non-finite loss).
-      total_nonfinite_loss: of ``total_skipped``, those whose *loss* was non-finite.
-      last_applied: whether the most recent step was applied (bool scalar).
-
-    >>> st = dynamic(initial_scale=2.0**10).init()
-    >>> float(st.loss_scale), int(st.total_applied), bool(st.last_applied)
-    (1024.0, 0, True)
-    """
-
-    loss_scale: jax.Array
-    finite_count: jax.Array
-    hysteresis_left: jax.Array
-    notfinite_count: jax.Array
-    total_applied: jax.Array
-    total_skipped: jax.Array
-    total_nonfinite_loss: jax.Array
-    last_applied: jax.Array
-
-
-def _i32(x) -> jax.Array:
-    return jnp.asarray(x, jnp.int32)
-
-
-def initial_state(scale: float, hysteresis: int) -> LossScaleState:
-    return LossScaleState(
-        loss_scale=jnp.asarray(scale, jnp.float32),
-        finite_count=_i32(0),
-        hysteresis_left=_i32(hysteresis),
-        notfinite_count=_i32(0),
-        total_applied=_i32(0),
-        total_skipped=_i32(0),
-        total_nonfinite_loss=_i32(0),
-        last_applied=jnp.asarray(True),
-    )
-
-
-def count_step(state: LossScaleState, grads_finite, loss_finite) -> LossScaleState:
-    """Updates the step counters; the scale fields are left to the scaler."""
-    applied = jnp.logical_and(grads_finite, loss_finite)
-    skipped = jnp.logical_not(applied)
-    return state._replace(
-        notfinite_count=jnp.where(applied, 0, state.notfinite_count + 1),
-        total_applied=state.total_applied + applied.astype(jnp.int32),
-        total_skipped=state.total_skipped + skipped.astype(jnp.int32),
-        total_nonfinite_loss=state.total_nonfinite_loss
-        + jnp.logical_not(loss_finite).astype(jnp.int32),
-        last_applied=applied,
-    )
+from adaloss_jax._common import LossScaleState, count_step, counters, notice_once
 
 
 @dataclasses.dataclass(frozen=True, repr=False)
@@ -104,7 +41,7 @@ class NoLossScale:
         return 1
 
     def init(self) -> LossScaleState:
-        return initial_state(1.0, 1)
+        return counters(1.0, 1)
 
     def adjust(self, state: LossScaleState, grads_finite, loss_finite=True) -> LossScaleState:
         return count_step(state, jnp.asarray(grads_finite), jnp.asarray(loss_finite))
@@ -136,7 +73,7 @@ class StaticLossScale:
         return 1
 
     def init(self) -> LossScaleState:
-        return initial_state(self.loss_scale, 1)
+        return counters(self.loss_scale, 1)
 
     def adjust(self, state: LossScaleState, grads_finite, loss_finite=True) -> LossScaleState:
         return count_step(state, jnp.asarray(grads_finite), jnp.asarray(loss_finite))
@@ -229,7 +166,7 @@ class DynamicLossScale:
         _validation.check_bool("consecutive_hysteresis", self.consecutive_hysteresis)
 
     def init(self) -> LossScaleState:
-        return initial_state(self.initial_scale, self.hysteresis)
+        return counters(self.initial_scale, self.hysteresis)
 
     def adjust(self, state: LossScaleState, grads_finite, loss_finite=True) -> LossScaleState:
         """Returns the next state (pure, branch-free, jit-able)."""
@@ -262,30 +199,6 @@ class DynamicLossScale:
 
 
 GlobalScaler = NoLossScale | StaticLossScale | DynamicLossScale
-
-
-_NOTICED: set[str] = set()
-
-
-_PACKAGE = os.path.dirname(os.path.abspath(__file__))
-
-
-def user_stacklevel() -> int:
-    """The ``stacklevel`` of the innermost caller outside this package: a warning then
-    points at the user's line, however deep inside the library it is raised."""
-    frame, level = sys._getframe(1), 1
-    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE):
-        frame, level = frame.f_back, level + 1
-    return level
-
-
-def notice_once(key: str, message: str) -> None:
-    """``warnings.warn(message)``, at the user's line, the first time ``key`` is seen in
-    this process."""
-    if key in _NOTICED:
-        return
-    _NOTICED.add(key)
-    warnings.warn(message, stacklevel=user_stacklevel())
 
 
 def _notice_no_scaling(fmt: _formats.FloatFormat) -> None:

@@ -10,7 +10,7 @@ import jax
 import jax.numpy as jnp
 from jax.scipy.special import erfinv
 
-from adaloss_jax import _channel, _formats, _policies
+from adaloss_jax import _channel, _common, _formats
 from adaloss_jax._state import (
     HEALTH_NOTHING_MEASURED,
     HEALTH_PINNED_LOW,
@@ -197,7 +197,7 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     keep = ~m.loss_finite
     room = jnp.where(keep, state.headroom.array, room)
     ceiling = jnp.where(keep, state.ceiling.array, ceiling)
-    new_base = _policies.count_step(base, m.grads_finite & measured & ~underscaled, m.loss_finite)
+    new_base = _common.count_step(base, m.grads_finite & measured & ~underscaled, m.loss_finite)
     new_base = new_base._replace(loss_scale=_formats.pow2(new_log2[0]))
     health = (jnp.where(new_base.notfinite_count >= cfg.max_consecutive_skips,
                         HEALTH_SKIPPING, 0)

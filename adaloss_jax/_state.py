@@ -9,49 +9,20 @@ statistics of another model at trace time.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 from collections.abc import Mapping
 from typing import Any
 
 import jax
 import jax.numpy as jnp
 
-from adaloss_jax import _tree
+from adaloss_jax import _lookup
+from adaloss_jax._common import LossScaleState, counters, fingerprint
 from adaloss_jax._config import AdaptiveScale
-from adaloss_jax._policies import LossScaleState
-from adaloss_jax._policies import initial_state as base_state
+from adaloss_jax._tree import slot_name, slot_runs, split_slot
 
 HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
 HEALTH_FOREIGN_GRADS = 8
 HEALTH_SPAN = 16
-
-
-def slot_name(group: str, i: int) -> str:
-    """The name of iteration ``i``'s scale group of a stacked group (``stack[3]``)."""
-    return f"{group}[{i}]"
-
-
-def split_slot(name: str) -> tuple[str, int] | None:
-    """``("stack", 3)`` for ``"stack[3]"``, None for any other name."""
-    if not name.endswith("]") or "[" not in name:
-        return None
-    base, _, i = name[:-1].rpartition("[")
-    return (base, int(i)) if i.isdigit() else None
-
-
-def slot_runs(names: tuple[str, ...]) -> tuple[tuple[int, int, bool], ...]:
-    """``(start, stop, stacked)`` per stored part: a stacked group's slots ``g[0]``,
-    ``g[1]``, ... (consecutive) are one part, any other name is a part of its own."""
-    runs, i = [], 0
-    while i < len(names):
-        j = i + 1
-        first = split_slot(names[i])
-        if first is not None and first[1] == 0:
-            while j < len(names) and split_slot(names[j]) == (first[0], j - i):
-                j += 1
-        runs.append((i, j, first is not None and first[1] == 0))
-        i = j
-    return tuple(runs)
 
 
 class GroupVector(Mapping):
@@ -156,42 +127,6 @@ jax.tree_util.register_pytree_with_keys(
 )
 
 
-def fingerprint(tree: Any) -> str:
-    """A short hash of a parameter tree's leaf paths and ranks, then (after a ``.``) one
-    of its leaf shapes. Not dtypes (fp32 master parameters and their fp16 gradients
-    match). The shapes are compared only outside ``shard_map``: inside it a sharded
-    parameter's gradient is its shard, of the full parameter's rank and a smaller size,
-    and a state built by ``tx.init`` on the full parameters must accept it."""
-    leaves, paths = jax.tree_util.tree_leaves(tree), _tree.leaf_paths(tree)
-    shapes = [tuple(getattr(x, "shape", ())) for x in leaves]
-    digest = lambda v: hashlib.sha1(repr(list(zip(paths, v))).encode()).hexdigest()[:12]
-    return f"{digest([len(s) for s in shapes])}.{digest(shapes)}"
-
-
-def check_fingerprint(expected: str, tree_or_fingerprint: Any, what: str, fix: str) -> None:
-    """Refuses, at trace time, ``what`` that belongs to another model than ``expected``
-    (other leaf paths or ranks; outside ``shard_map`` other shapes too)."""
-    got = (tree_or_fingerprint if isinstance(tree_or_fingerprint, str)
-           else fingerprint(tree_or_fingerprint))
-    (want_ranks, _, want_shapes), (got_ranks, _, got_shapes) = (
-        expected.partition("."), got.partition("."))
-    if got_ranks != want_ranks:
-        raise ValueError(
-            f"{what} belong to another model than this optimizer state (parameter paths or "
-            f"ranks differ: fingerprint {got} != {expected}); {fix}")
-    if want_shapes and got_shapes and got_shapes != want_shapes and not in_shard_map():
-        raise ValueError(
-            f"{what} have other shapes than the parameters this optimizer state was built "
-            f"for (the same paths and ranks, other sizes: another width or vocabulary?); "
-            f"{fix}")
-
-
-def in_shard_map() -> bool:
-    """Whether this trace is inside a ``shard_map`` (its mesh has manual axes)."""
-    mesh = jax.sharding.get_abstract_mesh()
-    return bool(getattr(mesh, "manual_axes", ())) if mesh is not None else False
-
-
 def _static(**kw):
     return dataclasses.field(metadata={"static": True}, **kw)
 
@@ -292,6 +227,8 @@ jax.tree_util.register_dataclass(
     meta_fields=["scaler", "fingerprint", "axis_name"],
 )
 
+_lookup.register(AdaptiveScaleState, unscale="adaptive_unscale", scaled="adaptive_scaled")
+
 
 @dataclasses.dataclass(frozen=True)
 class ScaleStats:
@@ -361,7 +298,7 @@ def initial_state(params: Any, scaler: AdaptiveScale, groups: list[str]) -> Adap
     n = len(groups)
     s0 = jnp.log2(jnp.float32(scaler.initial_scale))
     return AdaptiveScaleState(
-        base=base_state(scaler.initial_scale, 1),
+        base=counters(scaler.initial_scale, 1),
         log2_scales=GroupVector(groups, jnp.full((n,), s0, jnp.float32), split=True),
         log2_amax=GroupVector(groups, jnp.full((n,), -jnp.inf, jnp.float32)),
         overflowed=GroupVector(groups, jnp.zeros((n,), jnp.bool_)),

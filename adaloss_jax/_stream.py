@@ -37,8 +37,7 @@ from typing import Any, NamedTuple
 import jax.extend.core as jcore
 
 from adaloss_jax import _jaxpr
-from adaloss_jax._state import slot_name
-from adaloss_jax._tree import ROOT, is_differentiable
+from adaloss_jax._tree import ROOT, is_differentiable, slot_name
 
 
 class Steps(tuple):

@@ -20,7 +20,6 @@ collective. Forgetting ``skip_nonfinite`` is loud (NaN parameters), never silent
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
@@ -28,98 +27,11 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from adaloss_jax import _policies, _state
-from adaloss_jax._policies import LossScaleState
-from adaloss_jax._state import AdaptiveScaleState
+from adaloss_jax import _lookup, _policies
+from adaloss_jax._common import LossScaleState, all_finite, to_fp32
+from adaloss_jax._skip import signal_skip, skip_nonfinite
 
-
-def min_once(values: Sequence[jax.Array]) -> jax.Array:
-    """The min of scalars, computed once in the compiled program.
-
-    Not ``minimum(v0, minimum(v1, ...))`` (nor a reduction of their stack, which XLA
-    rewrites into that chain): XLA copies a chain of scalar ops into every fusion that
-    reads its result, so a value read in many places (a skip decision, read once per
-    parameter leaf; a scale read by every conversion along a residual stream) grew the
-    program quadratically, and the fusions, each with its own copy, could no longer
-    share compiled kernels. A scatter into one slot is computed once and read as a
-    scalar.
-    """
-    v = jnp.stack([jnp.asarray(x) for x in values])
-    if v.shape[0] == 1:
-        return v[0]
-    return jax.ops.segment_min(v, jnp.zeros(v.shape, jnp.int32), 1, indices_are_sorted=True)[0]
-
-
-def all_of(flags: Sequence[jax.Array]) -> jax.Array:
-    """The AND of boolean scalars, computed once in the compiled program
-    (:func:`min_once`)."""
-    if not flags:
-        return jnp.asarray(True)
-    if len(flags) == 1:
-        return jnp.asarray(flags[0], jnp.bool_)
-    return min_once([jnp.asarray(f, jnp.bool_).astype(jnp.int32) for f in flags]) > 0
-
-
-def all_finite(tree: Any, *, axis_name: str | None = None) -> jax.Array:
-    """True iff every element of every leaf is finite (on every device of ``axis_name``).
-
-    Under ``shard_map``/``pmap`` pass ``axis_name`` so all devices agree; under SPMD
-    ``jit`` the arrays are global and nothing extra is needed.
-
-    Args:
-      tree: any pytree of arrays.
-      axis_name: a mapped axis to agree across.
-
-    Returns:
-      A bool scalar.
-
-    >>> bool(all_finite({"a": jnp.ones(2), "b": jnp.array([1.0, jnp.inf])}))
-    False
-    """
-    leaves = jax.tree_util.tree_leaves(tree)
-    ok = all_of([jnp.all(jnp.isfinite(leaf)) for leaf in leaves])
-    if axis_name is not None:
-        ok = jax.lax.pmin(ok.astype(jnp.int32), axis_name) > 0
-    return ok
-
-
-def select_tree(pred: jax.Array, on_true: Any, on_false: Any) -> Any:
-    """Branch-free ``on_true if pred else on_false`` over matching pytrees.
-
-    Args:
-      pred: a bool scalar.
-      on_true: a pytree, taken where ``pred`` holds.
-      on_false: a pytree of the same structure, taken where it does not.
-
-    Returns:
-      The selected pytree (each leaf through ``jnp.where``).
-
-    >>> select_tree(jnp.bool_(False), {"w": jnp.ones(2)}, {"w": jnp.zeros(2)})["w"].tolist()
-    [0.0, 0.0]
-    """
-    return jax.tree_util.tree_map(lambda a, b: jnp.where(pred, a, b), on_true, on_false)
-
-
-def signal_skip(updates: Any, applied: jax.Array) -> Any:
-    """On a skipped step, ``-0.0`` everywhere: a zero gradient for any transformation
-    after this one (nothing is poisoned), and a signal :func:`skip_nonfinite` recognises
-    (no real gradient is negative zero in every element of every leaf)."""
-    return jax.tree_util.tree_map(
-        lambda u: jnp.where(applied, u, jnp.asarray(-0.0, u.dtype)), updates
-    )
-
-
-def is_skip_signal(tree: Any) -> jax.Array:
-    """True iff ``tree`` is :func:`signal_skip`'s skipped-step signal (all ``-0.0``)."""
-    leaves = jax.tree_util.tree_leaves(tree)
-    if not leaves:
-        return jnp.asarray(False)
-    return all_of([jnp.all((x == 0) & jnp.signbit(x)) for x in leaves])
-
-
-def _to_fp32(g: jax.Array) -> jax.Array:
-    # Unscaling in fp16 would flush exactly the small values scaling protected.
-    return g.astype(jnp.promote_types(g.dtype, jnp.float32))
+_lookup.register(LossScaleState, unscale="unscale", scaled="loss_scaled")
 
 
 class LossScaleStats(NamedTuple):
@@ -183,7 +95,7 @@ def unscale(
     >>> stats = LossScaleStats(loss_scale=jnp.float32(4.0))
     >>> updates, state = tx.update({"w": jnp.array([4.0, 8.0])}, state, loss=jnp.array(1.0),
     ...                            scale_stats=stats)
-    >>> updates["w"].tolist(), bool(scale_state(state).last_applied)
+    >>> updates["w"].tolist(), bool(_lookup.scale_state(state).last_applied)
     ([-1.0, -2.0], True)
     """
     if not isinstance(scaler, _policies.GlobalScaler):
@@ -208,7 +120,7 @@ def unscale(
                 f"scale all the same; to scale a loss by hand, differentiate "
                 f"adaloss_jax.scale_loss and pass adaloss_jax.LossScaleStats(loss_scale=...)")
         inv = 1.0 / scale_stats.loss_scale
-        updates = jax.tree_util.tree_map(lambda g: _to_fp32(g) * inv, updates)
+        updates = jax.tree_util.tree_map(lambda g: to_fp32(g) * inv, updates)
         grads_finite = all_finite(updates, axis_name=axis_name)
         if loss is None:
             loss_finite = jnp.asarray(True)
@@ -216,77 +128,6 @@ def unscale(
             loss_finite = all_finite(loss, axis_name=axis_name)
         new_state = scaler.adjust(state, grads_finite, loss_finite)
         return signal_skip(updates, new_state.last_applied), new_state
-
-    return optax.GradientTransformationExtraArgs(init_fn, update_fn)
-
-
-@dataclasses.dataclass(frozen=True)
-class SkipNonFiniteState:
-    """State of :func:`skip_nonfinite`.
-
-    Attributes:
-      inner_state: the wrapped transformation's state.
-      fingerprint: the parameter paths and ranks it was built for (static): updates of
-        another model are refused with an error, not a broadcasting one deep inside the
-        inner optimizer.
-
-    >>> import optax
-    >>> st = skip_nonfinite(optax.sgd(0.1)).init({"w": jnp.zeros(3)})
-    >>> type(st.inner_state).__name__
-    'tuple'
-    """
-
-    inner_state: Any
-    fingerprint: str = dataclasses.field(default="", metadata={"static": True})
-
-
-jax.tree_util.register_dataclass(SkipNonFiniteState, data_fields=["inner_state"],
-                                 meta_fields=["fingerprint"])
-
-
-def skip_nonfinite(inner: optax.GradientTransformation) -> optax.GradientTransformationExtraArgs:
-    """Applies ``inner`` only when the incoming updates are all finite and are not the
-    skipped-step signal of :func:`unscale` / :func:`adaptive_unscale`.
-
-    Otherwise the outgoing updates are zeros and ``inner``'s state is kept as it was
-    (selected branch-free, so it is jit- and GPU-friendly): an exact skip. Unlike
-    ``optax.apply_if_finite`` it never gives up after a number of failures; the
-    counters live in the scaler's state.
-
-    Args:
-      inner: the optimizer to apply, e.g. ``optax.adamw(1e-3)``.
-
-    Returns:
-      An ``optax.GradientTransformationExtraArgs`` whose state is a
-      :class:`SkipNonFiniteState`.
-
-    Raises:
-      ValueError: at trace time, for updates of another model than the state's.
-
-    >>> import optax
-    >>> tx = skip_nonfinite(optax.sgd(1.0))
-    >>> state = tx.init({"w": jnp.zeros(2)})
-    >>> tx.update({"w": jnp.array([1.0, jnp.nan])}, state)[0]["w"].tolist()
-    [0.0, 0.0]
-    """
-    inner = optax.with_extra_args_support(inner)
-
-    def init_fn(params):
-        return SkipNonFiniteState(inner.init(params), _state.fingerprint(params))
-
-    def update_fn(updates, state, params=None, **extra_args):
-        if state.fingerprint:
-            _state.check_fingerprint(state.fingerprint, updates, "the gradients",
-                                     "pass the gradients of the parameters tx.init was called "
-                                     "with, or re-run tx.init(params) for this model")
-        ok = all_finite(updates) & ~is_skip_signal(updates)
-        safe = jax.tree_util.tree_map(lambda g: jnp.where(ok, g, jnp.zeros_like(g)), updates)
-        new_updates, new_inner = inner.update(safe, state.inner_state, params, **extra_args)
-        new_updates = jax.tree_util.tree_map(
-            lambda u: jnp.where(ok, u, jnp.zeros_like(u)), new_updates
-        )
-        return new_updates, SkipNonFiniteState(select_tree(ok, new_inner, state.inner_state),
-                                               state.fingerprint)
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)
 
@@ -310,118 +151,10 @@ def loss_scaled(
 
     >>> import optax
     >>> tx = loss_scaled(optax.sgd(0.5), _policies.dynamic(initial_scale=2.0**10))
-    >>> float(scale_state(tx.init({"w": jnp.zeros(2)})).loss_scale)
+    >>> float(_lookup.scale_state(tx.init({"w": jnp.zeros(2)})).loss_scale)
     1024.0
     """
     return optax.chain(unscale(scaler, axis_name=axis_name), skip_nonfinite(inner))
-
-
-def _plain(tree: Any) -> Any:
-    """An optimizer state as a user may hold it, as plain arrays: a ``TrainState`` (or any
-    object with an ``opt_state``) stands for its ``opt_state``; variables that wrap an
-    array (NNX's, which have ``get_value``) for their values."""
-    if not isinstance(tree, tuple | list | dict) and hasattr(tree, "opt_state"):
-        tree = tree.opt_state
-    wrapped = lambda x: hasattr(x, "get_value") and not isinstance(x, jax.Array)
-    if not any(wrapped(x) for x in jax.tree_util.tree_leaves(tree, is_leaf=wrapped)):
-        return tree
-    return jax.tree_util.tree_map(lambda x: x.get_value() if wrapped(x) else x, tree,
-                                  is_leaf=wrapped)
-
-
-def scale_state(tree: Any) -> Any:
-    """The scaler's state inside an optimizer state: the one
-    :class:`~adaloss_jax.LossScaleState` of a global scaler or
-    :class:`~adaloss_jax.AdaptiveScaleState` of an adaptive one.
-
-    Args:
-      tree: an optimizer state, a flax ``TrainState``, an ``nnx.Optimizer`` (or its
-        ``opt_state``), or a scaler state itself.
-
-    Returns:
-      The scaler state, as plain arrays. Both kinds read alike: ``loss_scale``,
-      ``last_applied``, ``total_applied``, ``total_skipped``, ``notfinite_count``.
-
-    Raises:
-      ValueError: if there is no scaler state, or more than one.
-
-    >>> import optax
-    >>> tx = loss_scaled(optax.sgd(0.1), _policies.static(8.0))
-    >>> float(scale_state(tx.init({"w": jnp.zeros(2)})).loss_scale)
-    8.0
-    """
-    kinds = (LossScaleState, AdaptiveScaleState)
-    found = [x for x in jax.tree_util.tree_leaves(_plain(tree),
-                                                  is_leaf=lambda x: isinstance(x, kinds))
-             if isinstance(x, kinds)]
-    if len(found) != 1:
-        raise ValueError(
-            f"expected exactly one scaler state in the optimizer state, found {len(found)}; "
-            f"build the optimizer with adaloss_jax.loss_scaled(inner, scaler) (global) or "
-            f"adaloss_jax.adaptive_scaled(inner, adaloss_jax.adaptive(...)) and pass its state")
-    return found[0]
-
-
-REVERSED_CHAIN = (
-    "the scaler's transformation is not first in the optimizer chain: {before} before "
-    "it see the scaled gradients, and it unscales their output instead of the gradients, "
-    "so every step is wrong (with the optimizer first, training stays stuck). Put the "
-    "scaler first: optax.chain(adaloss_jax.{unscale}(...), inner), or "
-    "adaloss_jax.{scaled}(inner, scaler)")
-
-
-ACCUMULATED_OUTSIDE = (
-    "optax.MultiSteps wraps the scaler's transformation: it would accumulate *scaled* "
-    "gradients of microbatches computed at different scales and unscale their mean at the "
-    "last one's (an overflow's inf would stay in its accumulator and skip every later "
-    "window). Put the accumulation inside the scaling: "
-    "adaloss_jax.{scaled}(optax.MultiSteps(inner, k).gradient_transformation(), scaler)")
-
-
-def training_state(tree: Any) -> Any:
-    """:func:`scale_state` for a training step: also an error when the scaler's
-    transformation is not the first of the chain that holds it (what a transformation
-    before it sees are the *scaled* gradients; ``optax.chain(inner, unscale)`` hands the
-    unscale ``inner``'s updates). A chain's state is a plain ``tuple``; the check looks at
-    the elements before the scaler's along its path (named containers are not chains).
-    An ``optax.MultiSteps`` around the scaler is refused too (docs: gradient
-    accumulation)."""
-    found = scale_state(tree)
-    kinds = (LossScaleState, _state.AdaptiveScaleState)
-    node = _plain(tree)
-    paths = [p for p, x in jax.tree_util.tree_flatten_with_path(
-        node, is_leaf=lambda x: isinstance(x, kinds))[0] if isinstance(x, kinds)]
-    adaptive = isinstance(found, _state.AdaptiveScaleState)
-    for key in paths[0] if paths else ():
-        if isinstance(node, optax.MultiStepsState):
-            raise ValueError(ACCUMULATED_OUTSIDE.format(
-                scaled="adaptive_scaled" if adaptive else "loss_scaled"))
-        if type(node) is tuple and isinstance(key, jax.tree_util.SequenceKey) and key.idx:
-            raise ValueError(REVERSED_CHAIN.format(
-                before=f"{key.idx} transformation(s) (states: {_state_names(node[:key.idx])})",
-                unscale="adaptive_unscale" if adaptive else "unscale",
-                scaled="adaptive_scaled" if adaptive else "loss_scaled"))
-        node = _child(node, key)
-        if node is None:  # a container whose children the check cannot read: no chain
-            break
-    return found
-
-
-def _state_names(states: tuple) -> str:
-    named = lambda x: hasattr(x, "_fields") or dataclasses.is_dataclass(x)
-    nodes = jax.tree_util.tree_leaves(states, is_leaf=named)
-    names = list(dict.fromkeys(type(x).__name__ for x in nodes if named(x)))
-    return ", ".join(names[:4]) or "none"
-
-
-def _child(node: Any, key: Any) -> Any:
-    if isinstance(key, jax.tree_util.SequenceKey):
-        return node[key.idx]
-    if isinstance(key, jax.tree_util.DictKey):
-        return node[key.key]
-    if isinstance(key, jax.tree_util.GetAttrKey):
-        return getattr(node, key.name)
-    return None
 
 
 def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
@@ -441,7 +174,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
     >>> float(scale_loss(jnp.float16(0.5), state))
     4.0
     """
-    return _to_fp32(jnp.asarray(loss)) * scale_state(opt_state).loss_scale
+    return to_fp32(jnp.asarray(loss)) * _lookup.scale_state(opt_state).loss_scale
 
 
 def value_and_grad(
@@ -476,8 +209,8 @@ def value_and_grad(
     """
 
     def wrapped(opt_state, *args, **kwargs):
-        state = training_state(opt_state)
-        if isinstance(state, _state.AdaptiveScaleState):
+        state = _lookup.training_state(opt_state)
+        if not isinstance(state, LossScaleState):
             raise TypeError(
                 "value_and_grad scales the loss by one global scale, and this optimizer "
                 "state holds per-group adaptive scales; use "
@@ -487,7 +220,7 @@ def value_and_grad(
         def scaled(*a, **k):
             out = fun(*a, **k)
             loss, aux = out if has_aux else (out, None)
-            return _to_fp32(jnp.asarray(loss)) * scale, (loss, aux)
+            return to_fp32(jnp.asarray(loss)) * scale, (loss, aux)
 
         (_, (loss, aux)), grads = jax.value_and_grad(scaled, argnums, has_aux=True)(
             *args, **kwargs

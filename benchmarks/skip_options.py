@@ -41,7 +41,7 @@ class MLP(nn.Module):
 def nan_signal():
     """The old skipped-step signal: NaN instead of -0.0."""
     def update(updates, state, params=None, **extra):
-        skip = alj._transforms.is_skip_signal(updates)
+        skip = alj._skip.is_skip_signal(updates)
         return jax.tree_util.tree_map(lambda u: jnp.where(skip, jnp.nan, u), updates), state
     return optax.GradientTransformationExtraArgs(lambda p: optax.EmptyState(), update)
 

@@ -39,7 +39,7 @@ import optax
 import pytest
 
 import adaloss_jax as alj
-from adaloss_jax._transforms import is_skip_signal
+from adaloss_jax._skip import is_skip_signal
 
 K = 2  # microbatches per window
 LR = 0.5

@@ -596,7 +596,7 @@ def test_bad_setups_are_refused_or_named():
     with pytest.raises(ValueError, match="no leaves"):
         alj.adaptive_unscale(scaler).init({})
     # An fp32 model: scaling is not needed, and it says so (once per process).
-    alj._policies._NOTICED.discard("wide-model")
+    alj._common._NOTICED.discard("wide-model")
     with pytest.warns(UserWarning, match="needs no loss"):
         alj.adaptive_value_and_grad(loss32)(state, params, *batch)
 

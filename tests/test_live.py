@@ -547,7 +547,7 @@ def test_a_scan_of_the_loss_keeps_the_plan_and_stays_exact():
     assert program.live.groups == ()
     step, state = _grads_through(scaler, loss, params, (jnp.asarray(_X),),
                                  {"": 3, "d1": 5, "d2": 12})
-    alj._policies._NOTICED.discard("same-step-none")
+    alj._common._NOTICED.discard("same-step-none")
     with pytest.warns(UserWarning, match="no module's region of this loss can choose"):
         got, _, stats = step(state, params, jnp.asarray(_X), _Y)
     assert float(stats.log2_scales["d1"]) == 5.0

@@ -18,7 +18,7 @@ from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 
 import adaloss_jax as alj
-from adaloss_jax import _diagnostics
+from adaloss_jax import _common
 from adaloss_jax._state import HEALTH_FOREIGN_GRADS
 
 F16 = jnp.float16
@@ -44,7 +44,8 @@ PARAMS = params_of()
 @pytest.fixture(autouse=True)
 def _warnings_anew():
     """``check_health`` warns once per process per message: each test sees its own."""
-    _diagnostics._WARNED.clear()
+    _common._NOTICED.difference_update(
+        {k for k in _common._NOTICED if k.startswith("health: ")})
 MODULE = alj.adaptive(groups="module")
 
 
@@ -283,7 +284,7 @@ def test_an_adaptive_scaler_on_a_wide_model_turns_itself_off(dtype):
                                        scale_stats=stats)
         return optax.apply_updates(params, updates), opt_state, grads
 
-    alj._policies._NOTICED.discard("wide-model")
+    _common._NOTICED.discard("wide-model")
     with pytest.warns(UserWarning, match="the adaptive scaler is off"):
         p, state, grads = step(params, tx.init(params), X)
     ref = jax.grad(loss)(params, X)

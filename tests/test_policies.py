@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 import adaloss_jax as alj
-from adaloss_jax import _policies
+from adaloss_jax import _common
 
 
 def reference(scaler: alj.DynamicLossScale, flags):
@@ -326,7 +326,7 @@ def test_bad_compute_dtype_names_the_argument():
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, "float32"], ids=["bf16", "fp32"])
 def test_wide_dtypes_get_no_scaling_with_one_notice(dtype, monkeypatch):
-    monkeypatch.setattr(_policies, "_NOTICED", set())
+    monkeypatch.setattr(_common, "_NOTICED", set())
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         first = alj.dynamic(compute_dtype=dtype)
@@ -341,7 +341,7 @@ def test_wide_dtypes_get_no_scaling_with_one_notice(dtype, monkeypatch):
 
 
 def test_float16_scales_without_notice(monkeypatch):
-    monkeypatch.setattr(_policies, "_NOTICED", set())
+    monkeypatch.setattr(_common, "_NOTICED", set())
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         assert isinstance(alj.dynamic(compute_dtype=jnp.float16), alj.DynamicLossScale)

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import adaloss_jax as alj
 from adaloss_jax import _stream
-from adaloss_jax._state import split_slot
+from adaloss_jax._tree import split_slot
 
 pytestmark = pytest.mark.slow  # the full suite only (CI)
 

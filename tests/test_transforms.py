@@ -117,7 +117,7 @@ def test_twin_run_matches_control_that_skips_explicitly():
             if finite_run == 4:
                 scale, finite_run = scale * 2, 0
         else:
-            assert bool(alj._transforms.is_skip_signal(handed))
+            assert bool(alj._skip.is_skip_signal(handed))
             scale, finite_run = scale / 2, 0
         # From identical gradients AdamW computes the same values, but XLA:CPU may round
         # its second-moment update differently (fma contraction) when the same optax
@@ -185,12 +185,12 @@ def test_without_skip_nonfinite_a_skip_is_a_zero_gradient_step():
 
 def test_skip_signal_is_negative_zero_and_recognised():
     grads = {"a": jnp.asarray([1.0, -2.0]), "b": jnp.zeros((2, 2))}
-    skipped = jax.jit(alj._transforms.signal_skip)(grads, jnp.asarray(False))
+    skipped = jax.jit(alj._skip.signal_skip)(grads, jnp.asarray(False))
     assert all(bool(jnp.all(jnp.signbit(x) & (x == 0))) for x in jax.tree_util.tree_leaves(skipped))
-    assert bool(alj._transforms.is_skip_signal(skipped))
+    assert bool(alj._skip.is_skip_signal(skipped))
     # Real gradients, even all-zero ones (+0.0), are never taken for the signal.
-    assert not bool(alj._transforms.is_skip_signal(grads))
-    assert not bool(alj._transforms.is_skip_signal({"b": jnp.zeros(3)}))
+    assert not bool(alj._skip.is_skip_signal(grads))
+    assert not bool(alj._skip.is_skip_signal({"b": jnp.zeros(3)}))
 
 
 def test_unscale_gives_unscaled_fp32_updates():

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from adaloss_jax import _adaptive, _transforms
+from adaloss_jax import _adaptive, _lookup, _transforms
 from adaloss_jax._config import AdaptiveScale
 from adaloss_jax._state import AdaptiveScaleState
 
@@ -59,13 +59,13 @@ class TrainState(train_state.TrainState):
         :func:`adaloss_jax.unscale`). Raises ``ValueError`` if no scaler state results."""
         state = super().create(apply_fn=apply_fn, params=params,
                                tx=scaled_tx(tx, scaler, axis_name), **kwargs)
-        _transforms.training_state(state.opt_state)  # fail now: no unscale(), or not first
+        _lookup.training_state(state.opt_state)  # fail now: no unscale(), or not first
         return state
 
     @property
     def loss_scale_state(self):
         """The scaler's state (:func:`adaloss_jax.scale_state`)."""
-        return _transforms.scale_state(self.opt_state)
+        return _lookup.scale_state(self.opt_state)
 
     def apply_gradients(self, *, grads, loss=None, scale_stats=None, **kwargs):
         """Applies *scaled* gradients with the ``scale_stats`` the gradient function

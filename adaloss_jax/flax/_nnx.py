@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from adaloss_jax import _transforms
+from adaloss_jax import _lookup, _transforms
 from adaloss_jax._state import AdaptiveScaleState
 from adaloss_jax.flax._linen import scaled_tx
 from adaloss_jax.flax._nnx_adaptive import nnx_adaptive_value_and_grad
@@ -49,7 +49,7 @@ def nnx_optimizer(
     4.0
     """
     optimizer = nnx.Optimizer(model, scaled_tx(tx, scaler, axis_name), wrt=wrt)
-    _transforms.training_state(optimizer)  # fail now: no unscale(), or not first
+    _lookup.training_state(optimizer)  # fail now: no unscale(), or not first
     return optimizer
 
 
@@ -85,8 +85,8 @@ def nnx_train_step(
     >>> bool(step(model, optimizer, jnp.ones((1, 2)))["applied"])
     True
     """
-    scale_used = _transforms.scale_state(optimizer).loss_scale
-    if isinstance(_transforms.scale_state(optimizer), AdaptiveScaleState):
+    scale_used = _lookup.scale_state(optimizer).loss_scale
+    if isinstance(_lookup.scale_state(optimizer), AdaptiveScaleState):
         value, grads, stats = nnx_adaptive_value_and_grad(
             loss_fn, wrt=optimizer.wrt, has_aux=has_aux
         )(nnx.as_pure(optimizer.opt_state), model, *args, **kwargs)
@@ -103,7 +103,7 @@ def nnx_train_step(
         (_, (loss, aux)), grads = grad_fn(model)
         optimizer.update(model, grads, loss=jnp.asarray(loss),
                          scale_stats=_transforms.LossScaleStats(loss_scale=scale_used))
-    metrics = {"loss": loss, "applied": _transforms.scale_state(optimizer).last_applied,
+    metrics = {"loss": loss, "applied": _lookup.scale_state(optimizer).last_applied,
                "loss_scale": scale_used}
     if has_aux:
         metrics["aux"] = aux

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from adaloss_jax import _formats, _transforms, _tree, _validation
+from adaloss_jax import _formats, _lookup, _tree, _validation
 from adaloss_jax._state import AdaptiveScaleState
 from adaloss_jax.numerics import _taps
 from adaloss_jax.numerics._stats import tensor_stats
@@ -89,7 +89,7 @@ def loss_scale_of(scale: Any) -> jax.Array:
             )
         return jnp.asarray(scale, jnp.float32)
     try:
-        state = _transforms.scale_state(scale)
+        state = _lookup.scale_state(scale)
     except ValueError as e:
         raise TypeError(
             f"scale must be a number, a scalar array, a LossScaleState or an optimizer "

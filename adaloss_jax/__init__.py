@@ -21,6 +21,7 @@ from adaloss_jax._formats import (
     FloatFormat,
     float_format,
 )
+from adaloss_jax._layout import GroupVector
 from adaloss_jax._lookup import scale_state
 from adaloss_jax._policies import (
     DynamicLossScale,
@@ -33,7 +34,7 @@ from adaloss_jax._policies import (
 )
 from adaloss_jax._record import scale_group
 from adaloss_jax._skip import SkipNonFiniteState, skip_nonfinite
-from adaloss_jax._state import AdaptiveScaleState, GroupVector, ScaleStats
+from adaloss_jax._state import AdaptiveScaleState, ScaleStats
 from adaloss_jax._transforms import (
     LossScaleStats,
     loss_scaled,

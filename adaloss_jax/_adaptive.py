@@ -40,14 +40,14 @@ from adaloss_jax import (
 )
 from adaloss_jax._common import check_fingerprint, fingerprint, in_shard_map
 from adaloss_jax._config import AdaptiveScale
+from adaloss_jax._layout import GroupVector, Layer, check_names, layers, order, runs
 from adaloss_jax._state import (
     HEALTH_FOREIGN_GRADS,
     AdaptiveScaleState,
-    GroupVector,
     ScaleStats,
     initial_state,
 )
-from adaloss_jax._tree import ROOT, slot_name, slot_runs, split_slot
+from adaloss_jax._tree import ROOT
 
 # ------------------------------------------------------------------------------ groups
 
@@ -94,8 +94,9 @@ def param_groups(params: Any, scaler: AdaptiveScale) -> list[str]:
     """
     groups = {ROOT} | {scaler.group_of(o) for o in _owner_paths(params) | _marked_above(params)}
     for g, n in stack_lengths(params, scaler).items():
-        groups |= {slot_name(g, i) for i in range(n)}
-    return sorted(groups, key=_tree.natural)
+        groups |= set(layers(g, n))
+    check_names(list(groups))
+    return order(groups)
 
 
 MAX_STACK = 1024  # the deepest stack of layers that gets a scale per layer
@@ -268,7 +269,7 @@ def trace(fun, scaler: AdaptiveScale, params, args: tuple, kwargs: dict, hooks=(
     program = _apply.Program(rec.closed, plan, scaler, rec.rounding, owners)
     # A group scanned over as a stack of layers is used as its slots, a scale per layer.
     for g in plan.stacked & active:
-        active = (active - {g}) | {slot_name(g, i) for i in range(stacks[g])}
+        active = (active - {g}) | set(layers(g, stacks[g]))
     return rec, program, sorted(active, key=_tree.natural)
 
 
@@ -538,8 +539,8 @@ class _Scales(dict):
 def _in_use(scales: GroupVector, groups: list[str]) -> GroupVector:
     """The log2 scales of the groups in use, a stack's slots as its stored vector."""
     parts = []
-    for a, _, stacked in slot_runs(tuple(groups)):
-        parts.append(scales.stacked(split_slot(groups[a])[0]) if stacked else scales[groups[a]])
+    for a, _, stacked in runs(groups):
+        parts.append(scales.stacked(groups[a].group) if stacked else scales[groups[a]])
     return GroupVector(groups, tuple(parts), split=True)
 
 
@@ -616,7 +617,7 @@ def _unscale(updates, stats: ScaleStats, scaler: AdaptiveScale, state: AdaptiveS
     its layer's), and each state group's largest gradient magnitude at that scale (inf
     where a gradient is not finite)."""
     active = set(stats.log2_scales.names)
-    stacked = {b[0] for b in map(split_slot, active) if b is not None}
+    stacked = {s.group for s in active if isinstance(s, Layer)}
     leaves, treedef = jax.tree_util.tree_flatten(updates)
     leaf_groups = [leaf_group(p, active | stacked, scaler)
                    for p in _tree.leaf_paths(updates)]
@@ -631,7 +632,7 @@ def _unscale(updates, stats: ScaleStats, scaler: AdaptiveScale, state: AdaptiveS
         if g in stacked:  # slice i of the leaf is layer i's
             n = inv[g].shape[-1]
             leaf_max.append(jnp.max(mag.reshape(n, -1), axis=1, initial=0.0))
-            index += [state.groups.index(slot_name(g, i)) for i in range(n)]
+            index += [state.groups.index(s) for s in layers(g, n)]
             out.append(x * inv[g].reshape((n,) + (1,) * (x.ndim - 1)))
             continue
         leaf_max.append(jnp.max(mag, initial=0.0)[None])

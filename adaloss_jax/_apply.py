@@ -30,8 +30,8 @@ import jax.numpy as jnp
 
 from adaloss_jax import _channel, _formats, _jaxpr, _live
 from adaloss_jax._common import min_once
+from adaloss_jax._layout import layers
 from adaloss_jax._stream import Plan, Steps
-from adaloss_jax._tree import slot_name
 
 
 class Site(NamedTuple):
@@ -68,7 +68,7 @@ class Program:
         self.param_pairs = []
         for owner, uses in zip(self.param_owners, plan.params):
             if isinstance(uses, Steps):
-                own = Steps([(slot_name(owner, i),) for i in range(len(uses))])
+                own = Steps([(s,) for s in layers(owner, len(uses))])
                 self.param_pairs.append(None if own == uses else (own, uses))
             else:
                 self.param_pairs.append(None if uses in (None, (owner,)) else ((owner,), uses))

@@ -35,7 +35,8 @@ import jax
 import jax.numpy as jnp
 
 from adaloss_jax import _formats
-from adaloss_jax._state import GroupVector, ScaleStats
+from adaloss_jax._layout import GroupVector
+from adaloss_jax._state import ScaleStats
 
 _AMAX, _BAD_Y, _BAD_X, _SUMSQ, _COUNT = range(5)
 _MAXED = 3  # the first three columns reduce by max, the rest by sum

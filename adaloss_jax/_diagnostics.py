@@ -10,6 +10,7 @@ from typing import Any
 import jax
 
 from adaloss_jax import _common, _lookup, _tree
+from adaloss_jax._layout import Layer, group_of
 from adaloss_jax._state import (
     HEALTH_FOREIGN_GRADS,
     HEALTH_NOTHING_MEASURED,
@@ -18,7 +19,6 @@ from adaloss_jax._state import (
     HEALTH_SPAN,
     AdaptiveScaleState,
 )
-from adaloss_jax._tree import split_slot
 
 
 def _groups(tree: Any) -> tuple[Any, list[tuple[str, float, float, bool]]]:
@@ -36,16 +36,15 @@ def _groups(tree: Any) -> tuple[Any, list[tuple[str, float, float, bool]]]:
     # the ones its scans used are shown (the slots once any was measured, else the group).
     by_layer = {}
     for g, _, a, _ in rows:
-        slot = split_slot(g)
-        if slot is not None:
-            by_layer[slot[0]] = by_layer.get(slot[0], False) or a > -math.inf
+        if isinstance(g, Layer):
+            by_layer[g.group] = by_layer.get(g.group, False) or a > -math.inf
     measured = {g for g, _, a, _ in rows if a > -math.inf}
     rows = [r for r in rows if not (
-        (split_slot(r[0]) is not None and not by_layer.get(split_slot(r[0])[0], True))
+        (isinstance(r[0], Layer) and not by_layer.get(r[0].group, True))
         or (by_layer.get(r[0]) and r[0] not in measured))]
     # A scale_group name above other groups (param_groups) is shown once a call used it;
     # then the groups under it, which no call uses, are not.
-    base = lambda g: split_slot(g)[0] if split_slot(g) is not None else g
+    base = group_of
     bases = {base(g) for g, _, _, _ in rows}
     under = lambda g, above: bool(above) and g.startswith(above + "/")
     return st, [r for r in rows if r[0] in measured or not (

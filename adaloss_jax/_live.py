@@ -45,8 +45,9 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
 
+from adaloss_jax._layout import Layer
 from adaloss_jax._stream import Steps
-from adaloss_jax._tree import ROOT, split_slot
+from adaloss_jax._tree import ROOT
 
 
 class Chain(NamedTuple):
@@ -130,9 +131,11 @@ def symbol(anchors):
     ``g[i]`` as the one-group anchors ``("g[*]",)``: inside a scan's body, where every
     slice runs the same program, a layer's own region is one region. Others as given."""
     if isinstance(anchors, Steps) and all(len(a) == 1 for a in anchors):
-        parts = [split_slot(a[0]) for a in anchors]
-        if all(p is not None and p == (parts[0][0], i) for i, p in enumerate(parts)):
-            return (parts[0][0] + "[*]",)
+        slots = [a[0] for a in anchors]
+        g = getattr(slots[0], "group", None)
+        if all(isinstance(s, Layer) and (s.group, s.index) == (g, i)
+               for i, s in enumerate(slots)):
+            return (Layer(g, None),)
     return anchors
 
 
@@ -257,7 +260,8 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
             unfit.update(_per_layer(side))
     live: dict[str, tuple] = {}
     for g, keys in entries.items():
-        if g == ROOT or g in unfit or g in stacked or split_slot(g) is not None:
+        one_layer = isinstance(g, Layer) and g.index is not None  # (not a body's symbol)
+        if g == ROOT or g in unfit or g in stacked or one_layer:
             continue
         rest = keys + border.get(g, [])
         if not all(counts[k] == 1 and k in order for k in rest):

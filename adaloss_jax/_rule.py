@@ -11,13 +11,13 @@ import jax.numpy as jnp
 from jax.scipy.special import erfinv
 
 from adaloss_jax import _channel, _common, _formats
+from adaloss_jax._layout import GroupVector
 from adaloss_jax._state import (
     HEALTH_NOTHING_MEASURED,
     HEALTH_PINNED_LOW,
     HEALTH_SKIPPING,
     HEALTH_SPAN,
     AdaptiveScaleState,
-    GroupVector,
 )
 
 HEADROOM_RETURN = 1.0 / 256  # binades of learned headroom given back per applied step

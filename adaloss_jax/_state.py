@@ -18,113 +18,13 @@ import jax.numpy as jnp
 from adaloss_jax import _lookup
 from adaloss_jax._common import LossScaleState, counters, fingerprint
 from adaloss_jax._config import AdaptiveScale
-from adaloss_jax._tree import slot_name, slot_runs, split_slot
+from adaloss_jax._layout import GroupVector
 
 HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
 HEALTH_FOREIGN_GRADS = 8
 HEALTH_SPAN = 16
 
 
-class GroupVector(Mapping):
-    """One value per scale group: ``v["Dense_0"]`` reads a group's value, iteration gives
-    the group names (a read-only ``Mapping``) and ``v.array`` all values, the groups along
-    the last axis. States stacked by ``vmap`` or ``shard_map`` (leading axes) read the
-    same way.
-
-    Attributes:
-      names: the groups, in model order (static).
-      parts: the values: one array (groups along its last axis), or one per group (the
-        slots ``g[0]``, ``g[1]``, ... of a stacked group: one array of them).
-      split: which of the two.
-
-    A pytree whose leaves (``parts``) are the values, held as one array, or with
-    ``split=True`` as one array per group. The scales are held split: the backward pass
-    reads each group's scale on its own, and a value sliced out of a vector would make
-    every kernel that reads it a kernel of its own (one per layer, each compiled); a
-    stacked group's slots are read together, as one vector along a scan. The other
-    fields are read all at once and held as one array (one output of the step).
-
-    >>> v = GroupVector(("", "Dense_0"), jnp.array([3.0, 5.0]))
-    >>> float(v["Dense_0"]), list(v)
-    (5.0, ['', 'Dense_0'])
-    >>> len(jax.tree_util.tree_leaves(GroupVector(v.names, v.array, split=True)))
-    2
-    """
-
-    __slots__ = ("names", "parts", "split", "_runs")
-
-    def __init__(self, names, array, *, split: bool = False):
-        self.names = tuple(names)
-        self.split = split
-        self._runs = slot_runs(self.names) if split else ()
-        if split and isinstance(array, tuple | list) and len(array) == len(self.names):
-            array = tuple(jnp.stack(array[a:b], axis=-1) if stacked else array[a]
-                          for a, b, stacked in self._runs)
-        elif split and not isinstance(array, tuple | list):
-            array = tuple(array[..., a:b] if stacked else array[..., a]
-                          for a, b, stacked in self._runs)
-        self.parts = tuple(array) if split else array
-
-    @property
-    def array(self) -> jax.Array:
-        """Every group's value, the groups along the last axis."""
-        if not self.split:
-            return self.parts
-        return jnp.concatenate([p if stacked else p[..., None]
-                                for p, (_, _, stacked) in zip(self.parts, self._runs)],
-                               axis=-1)
-
-    def index(self, name: str) -> int:
-        """The position of group ``name`` along the last axis."""
-        try:
-            return self.names.index(name)
-        except ValueError:
-            raise KeyError(name) from None
-
-    def stacked(self, group: str) -> jax.Array:
-        """The slots ``group[0]``, ``group[1]``, ... as one array (along the last axis)."""
-        i = self.index(slot_name(group, 0))
-        if self.split:
-            for p, (a, _, stacked) in zip(self.parts, self._runs):
-                if a == i and stacked:
-                    return p
-        n = sum(1 for g in self.names if (split_slot(g) or ("",))[0] == group)
-        return self.array[..., i:i + n]
-
-    def __getitem__(self, name):
-        i = self.index(name)
-        if not self.split:
-            return self.parts[..., i]
-        for p, (a, b, stacked) in zip(self.parts, self._runs):
-            if a <= i < b:
-                return p[..., i - a] if stacked else p
-        raise KeyError(name)
-
-    def __iter__(self):
-        return iter(self.names)
-
-    def __len__(self):
-        return len(self.names)
-
-    def __repr__(self):
-        return f"GroupVector(names={self.names!r}, array={self.array!r})"
-
-
-def _flatten(v):
-    if v.split:
-        keys = [split_slot(v.names[a])[0] + "[:]" if stacked else v.names[a]
-                for a, _, stacked in v._runs]
-        return tuple((jax.tree_util.DictKey(k), x) for k, x in zip(keys, v.parts)), (
-            v.names, True)
-    return ((jax.tree_util.GetAttrKey("array"), v.parts),), (v.names, False)
-
-
-jax.tree_util.register_pytree_with_keys(
-    GroupVector, _flatten,
-    lambda aux, children: GroupVector(aux[0], tuple(children) if aux[1] else children[0],
-                                      split=aux[1]),
-    flatten_func=lambda v: ((v.parts if v.split else (v.parts,)), (v.names, v.split)),
-)
 
 
 def _static(**kw):

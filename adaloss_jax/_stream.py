@@ -37,7 +37,8 @@ from typing import Any, NamedTuple
 import jax.extend.core as jcore
 
 from adaloss_jax import _jaxpr
-from adaloss_jax._tree import ROOT, is_differentiable, slot_name
+from adaloss_jax._layout import Layer
+from adaloss_jax._tree import ROOT, is_differentiable
 
 
 class Steps(tuple):
@@ -384,7 +385,7 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
             params_y.append(None)
             continue
         uses = [y] if j not in w.sliced else list(w.sliced[j].values())
-        names = [owner] if j not in w.sliced else [slot_name(owner, i) for i in w.sliced[j]]
+        names = [owner] if j not in w.sliced else [Layer(owner, i) for i in w.sliced[j]]
         for u, name in zip(uses, names):
             r = region(u)
             if r is not loss_region:

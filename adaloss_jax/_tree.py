@@ -78,31 +78,3 @@ def is_differentiable(x: Any) -> bool:
         return dtype is not None and jnp.issubdtype(dtype, jnp.inexact)
     except TypeError:
         return False
-
-
-def slot_name(group: str, i: int) -> str:
-    """The name of iteration ``i``'s scale group of a stacked group (``stack[3]``)."""
-    return f"{group}[{i}]"
-
-
-def split_slot(name: str) -> tuple[str, int] | None:
-    """``("stack", 3)`` for ``"stack[3]"``, None for any other name."""
-    if not name.endswith("]") or "[" not in name:
-        return None
-    base, _, i = name[:-1].rpartition("[")
-    return (base, int(i)) if i.isdigit() else None
-
-
-def slot_runs(names: tuple[str, ...]) -> tuple[tuple[int, int, bool], ...]:
-    """``(start, stop, stacked)`` per stored part: a stacked group's slots ``g[0]``,
-    ``g[1]``, ... (consecutive) are one part, any other name is a part of its own."""
-    runs, i = [], 0
-    while i < len(names):
-        j = i + 1
-        first = split_slot(names[i])
-        if first is not None and first[1] == 0:
-            while j < len(names) and split_slot(names[j]) == (first[0], j - i):
-                j += 1
-        runs.append((i, j, first is not None and first[1] == 0))
-        i = j
-    return tuple(runs)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from adaloss_jax import _channel
-from adaloss_jax._state import GroupVector
+from adaloss_jax._layout import GroupVector
 
 COLS = _channel.Columns(sumsq=True, hist_lo=-40)
 FP16 = 65504.0

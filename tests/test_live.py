@@ -33,6 +33,7 @@ from test_transformations import (
 
 import adaloss_jax as alj
 from adaloss_jax import _live
+from adaloss_jax._layout import Layer, layers
 from adaloss_jax._stream import Steps
 from adaloss_jax.bench import _configs as _bench_configs
 
@@ -80,66 +81,67 @@ def _scan(keys, top=None, order=(), length=3, reverse=False, at=((), (2,))):
                       tuple(order))
 
 
-_S = Steps([("s[0]",), ("s[1]",), ("s[2]",)])
+_S = Steps([(Layer("s", 0),), (Layer("s", 1),), (Layer("s", 2),)])
 
 
 @pytest.mark.parametrize("reverse", [False, True])
 def test_a_stack_whose_exits_feed_the_next_layer_is_a_chain(reverse):
     # inp -> s[0] -> s[1] -> s[2] -> head, the stack's one converting point its exit.
-    nxt = (Steps([("s[1]",), ("s[2]",), ("head",)]) if not reverse
-           else Steps([("head",), ("s[0]",), ("s[1]",)]))
+    nxt = (Steps([(Layer("s", 1),), (Layer("s", 2),), ("head",)]) if not reverse
+           else Steps([("head",), (Layer("s", 0),), (Layer("s", 1),)]))
     every = [_site("inp_out", ("inp",), _S[2 if reverse else 0]),
              ("exit", (_S, nxt), True),
              _site("head_out", ("head",), ("",))]
     live = _live.analyse(every, _top("inp_out", "head_out", scope=()), [], None,
                          scans=[_scan({"exit"}, reverse=reverse, at=((), (0, 5)))])
     (chain,) = live.chains.values()
-    assert chain.slots == ("s[0]", "s[1]", "s[2]")
+    assert chain.slots == (Layer("s", 0), Layer("s", 1), Layer("s", 2))
     assert chain.first == (2 if reverse else 0) and chain.last == "head"
     assert live.deciders["exit"] == _live.CHAIN_X and live.needs["exit"] == (_live.CHAIN_Y,)
     assert live.needs["inp_out"] == ((_S[2 if reverse else 0])[0],)  # the first layer's
-    assert set(live.groups) == {"inp", "head", "s[0]", "s[1]", "s[2]"}
+    assert set(live.groups) == {"inp", "head", Layer("s", 0), Layer("s", 1), Layer("s", 2)}
 
 
 @pytest.mark.parametrize("case", ["two converting points", "exit skips a layer",
                                   "named after the scan", "tied parameter"])
 def test_a_stack_that_is_no_chain_keeps_the_plan(case):
-    nxt = Steps([("s[1]",), ("s[2]",), ("head",)])
-    every = [_site("inp_out", ("inp",), ("s[0]",)), ("exit", (_S, nxt), True)]
+    nxt = Steps([(Layer("s", 1),), (Layer("s", 2),), ("head",)])
+    every = [_site("inp_out", ("inp",), (Layer("s", 0),)), ("exit", (_S, nxt), True)]
     keys, params = {"exit"}, []
     if case == "two converting points":
-        every.append(("inner", (_S, Steps([("t[0]",), ("t[1]",), ("t[2]",)])), True))
+        inner = Steps([(s,) for s in layers("t", 3)])
+        every.append(("inner", (_S, inner), True))
         keys.add("inner")
     elif case == "exit skips a layer":
-        every[1] = ("exit", (_S, Steps([("s[2]",), ("s[2]",), ("head",)])), True)
+        every[1] = ("exit", (_S, Steps([(Layer("s", 2),), (Layer("s", 2),), ("head",)])), True)
     elif case == "named after the scan":
-        every.append(_site("after", ("s[2]",), ("",)))
+        every.append(_site("after", (Layer("s", 2),), ("",)))
     else:
-        params = [(("s[1]",), ("head",))]
+        params = [((Layer("s", 1),), ("head",))]
     live = _live.analyse(every, _top("inp_out", "after"), params, None,
                          scans=[_scan(keys, at=((), (0, 5)))])
-    assert not live.chains and not {"s[0]", "s[1]", "s[2]"} & set(live.groups)
+    assert not live.chains and not {Layer("s", 0), Layer("s", 1), Layer("s", 2)} & set(live.groups)
 
 
 def test_regions_inside_a_layer_decide_as_one_symbol_per_stacked_group():
     # In the body: the residual stream (a fan-in of every layer) -> ln[i] -> fc[i] ->
     # the stream. ln and fc decide per layer; the stream keeps the plan.
-    ln, fc = (Steps([(f"{g}[{i}]",) for i in range(3)]) for g in ("ln", "fc"))
-    stream = ("fc[0]", "fc[1]", "fc[2]", "ln[0]", "ln[1]", "ln[2]")
+    ln, fc = (Steps([(Layer(g, i),) for i in range(3)]) for g in ("ln", "fc"))
+    stream = (*layers("fc", 3), *layers("ln", 3))
     every = [("ln_in", (stream, ln), True), ("ln_out", (ln, fc), True),
              ("fc_out", (fc, stream), True)]
     order = [(k, (("scan",), (i,))) for i, k in enumerate(("ln_in", "ln_out", "fc_out"))]
     live = _live.analyse(every, [], [], None, scans=[_scan({k for k, _, _ in every},
                                                           order=order)])
-    assert live.layers == {1: {"fc[*]": ("fc[0]", "fc[1]", "fc[2]"),
-                               "ln[*]": ("ln[0]", "ln[1]", "ln[2]")}}
+    assert live.layers == {1: {"fc[*]": (Layer("fc", 0), Layer("fc", 1), Layer("fc", 2)),
+                               "ln[*]": (Layer("ln", 0), Layer("ln", 1), Layer("ln", 2))}}
     assert live.deciders == {"ln_out": "ln[*]", "fc_out": "fc[*]"}
     assert live.needs == {"ln_in": ("ln[*]",), "ln_out": ("fc[*]",)}
     assert live.names["ln_out"] == ("ln[*]", "fc[*]")
     # A layer's group named outside the body (its parameter converted there) keeps it.
-    live = _live.analyse(every, [], [(("fc[1]",), ("",))], None,
+    live = _live.analyse(every, [], [((Layer("fc", 1),), ("",))], None,
                          scans=[_scan({k for k, _, _ in every}, order=order)])
-    assert live.layers == {1: {"ln[*]": ("ln[0]", "ln[1]", "ln[2]")}}
+    assert live.layers == {1: {"ln[*]": (Layer("ln", 0), Layer("ln", 1), Layer("ln", 2))}}
 
 
 @pytest.mark.parametrize("case", ["two entries at once", "border after the decider",

@@ -21,7 +21,7 @@ from hypothesis import strategies as st
 
 import adaloss_jax as alj
 from adaloss_jax import _adaptive
-from adaloss_jax._state import GroupVector
+from adaloss_jax._layout import GroupVector, layers
 from adaloss_jax.bench import _deep, _models
 from adaloss_jax.equinox import eqx_adaptive_value_and_grad
 from adaloss_jax.flax import nnx_adaptive_value_and_grad
@@ -327,7 +327,7 @@ def test_which_groups_may_be_stacks():
 
 
 def test_slots_are_stored_as_one_vector_per_stack():
-    names = ("", "a", "s", "s[0]", "s[1]", "s[2]", "t")
+    names = ("", "a", "s", *layers("s", 3), "t")
     v = GroupVector(names, jnp.arange(7.0), split=True)
     assert len(jax.tree_util.tree_leaves(v)) == 5  # "", a, s, s[0..2] as one, t
     assert float(v["s[1]"]) == 4.0 and v.stacked("s").tolist() == [3.0, 4.0, 5.0]

@@ -18,7 +18,7 @@ from hypothesis import strategies as st
 
 import adaloss_jax as alj
 from adaloss_jax import _stream
-from adaloss_jax._tree import split_slot
+from adaloss_jax._layout import Layer
 
 pytestmark = pytest.mark.slow  # the full suite only (CI)
 
@@ -240,7 +240,7 @@ def assert_conformance(step, state, results, groups, ref, ops, reached) -> None:
     for a, b in zip(_underflow(scaled, ref), _underflow(results["global"][1], ref)):
         assert a <= b + 1e-3, ops
     moved = {g for g, v in ad.log2_scales.items() if v != 0}
-    moved |= {s[0] for s in map(split_slot, moved) if s}  # a stack, by its layers' slots
+    moved |= {s.group for s in moved if isinstance(s, Layer)}  # a stack, by its layers' slots
     assert reached <= moved, ad.log2_scales
 
 
@@ -393,7 +393,7 @@ def test_random_nnx_graphs_exact_and_no_worse_than_global(ops, tied):
                 assert bool(alj.scale_state(state).base.last_applied), (ops, groups, t)
         if groups == "module":  # every module the loss reaches got a scale of its own
             moved = {g for g, v in alj.scale_state(state).log2_scales.items() if v != 0}
-            moved |= {s[0] for s in map(split_slot, moved) if s}  # a stack's slots
+            moved |= {s.group for s in moved if isinstance(s, Layer)}  # a stack's slots
             reached = {"/".join(str(k.key) for k in path[:-1])
                        for path, r in jax.tree_util.tree_flatten_with_path(ref)[0]
                        if np.any(np.asarray(r) != 0)}
@@ -482,7 +482,7 @@ def test_groups_cut_at_max_depth_are_exact_stable_and_no_worse_than_global(ops, 
     for groups, scaler in (("module", alj.adaptive(groups="module", max_depth=1)),
                            ("global", alj.adaptive(groups="global"))):
         step, state, vg = conformance_step(scaler, loss16, params, tokens)
-        own = {g for g in alj.scale_state(state).log2_scales if not split_slot(g)}
+        own = {g for g in alj.scale_state(state).log2_scales if not isinstance(g, Layer)}
         assert own == ({""} | top if groups == "module" else {""})  # (and stacks' slots)
         assert_conformance(step, state, results, groups, ref, ops, reached)
         applied[groups] = len(_applied_points(loss16, scaler, params, tokens))

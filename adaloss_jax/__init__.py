@@ -1,11 +1,6 @@
 """adaloss_jax: loss scaling for fp16/fp8 mixed-precision training in JAX."""
 
-from adaloss_jax._adaptive import (
-    adaptive_scaled,
-    adaptive_unscale,
-    adaptive_value_and_grad,
-    param_groups,
-)
+from adaloss_jax._adaptive import adaptive_scaled, adaptive_unscale
 from adaloss_jax._check import GradientCheck, check_gradients
 from adaloss_jax._checkpoint import load_state, save_state
 from adaloss_jax._common import LossScaleState, all_finite, select_tree
@@ -21,6 +16,8 @@ from adaloss_jax._formats import (
     FloatFormat,
     float_format,
 )
+from adaloss_jax._grad import adaptive_value_and_grad
+from adaloss_jax._groups import param_groups
 from adaloss_jax._layout import GroupVector
 from adaloss_jax._lookup import scale_state
 from adaloss_jax._policies import (

@@ -10,7 +10,7 @@ from typing import Any
 import jax
 import numpy as np
 
-from adaloss_jax import _adaptive, _formats, _tree
+from adaloss_jax import _formats, _grad, _groups, _tree
 from adaloss_jax._config import AdaptiveScale
 from adaloss_jax.numerics import _stats, _table
 
@@ -100,13 +100,13 @@ def check_gradients(
         raise TypeError(
             "check_gradients(loss_fn, reference_loss_fn, opt_state, params, *batch) reads the "
             "scaler from opt_state: drop the scaler argument")
-    scaler = _adaptive.adaptive_state(opt_state).scaler
+    scaler = _grad.adaptive_state(opt_state).scaler
     results, used = jax.device_get(
         _compiled(loss_fn, reference_loss_fn, scaler)(opt_state, params, args, kwargs))
     rows, bad = [], []
     for path, st in zip(_tree.leaf_paths(params), results):
         name = _tree.name(path)
-        group = _adaptive.leaf_group(path, set(used), scaler)
+        group = _groups.leaf_group(path, set(used), scaler)
         row = {"name": name, "group": group or "(root)"}
         row.update({k: np.asarray(v).item() for k, v in st.items()})
         rows.append(row)
@@ -124,7 +124,7 @@ def _compiled(loss_fn, reference_loss_fn, scaler):
 
     @jax.jit
     def compute(opt_state, params, args, kwargs):
-        _, grads, stats = _adaptive.adaptive_value_and_grad(loss_fn)(
+        _, grads, stats = _grad.adaptive_value_and_grad(loss_fn)(
             opt_state, params, *args, **kwargs
         )
         ref = jax.grad(reference_loss_fn)(params, *args, **kwargs)
@@ -135,7 +135,7 @@ def _compiled(loss_fn, reference_loss_fn, scaler):
             jax.tree_util.tree_leaves(grads),
             jax.tree_util.tree_leaves(ref),
         ):
-            scale = _formats.pow2(stats.log2_scales[_adaptive.leaf_group(path, active, scaler)])
+            scale = _formats.pow2(stats.log2_scales[_groups.leaf_group(path, active, scaler)])
             out.append(_stats.tensor_stats(r, g, scale, fmt))
         return out, stats.log2_scales
 

@@ -334,7 +334,7 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
       keep: points that must be applied even where they neither convert nor measure
         anything new (those that round cotangents to a simulated format).
       stacks: ``{group: depth}`` of the groups that have a slot ``group[i]`` per layer
-        (:func:`adaloss_jax._adaptive.stack_lengths`).
+        (:func:`adaloss_jax._groups.stack_lengths`).
 
     A point that would convert nothing and whose every input comes straight from
     another point (whose output nothing else reads) is left out of the applied program:

@@ -35,7 +35,7 @@ from typing import Any
 import equinox as eqx
 import jax
 
-from adaloss_jax import _adaptive, _record, _swap, _tree
+from adaloss_jax import _grad, _record, _swap, _tree
 
 _BASE_NAMES = frozenset(dir(eqx.Module))
 
@@ -89,7 +89,7 @@ def eqx_adaptive_value_and_grad(
         finally:
             _swap.uninstall(swapped)
 
-    core = _adaptive.adaptive_value_and_grad(pure, has_aux=has_aux)
+    core = _grad.adaptive_value_and_grad(pure, has_aux=has_aux)
 
     def wrapped(opt_state, model, *args, **kwargs):
         params, static = eqx.partition(model, eqx.is_inexact_array)

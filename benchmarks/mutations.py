@@ -72,19 +72,19 @@ MUTATIONS = {
         ["tests/test_adaptive_distributed.py", "tests/test_transformations.py"],
         "statistics under shard_map are not reduced over the devices"),
     "axis-name-ignored": (
-        "adaloss_jax/_adaptive.py",
+        "adaloss_jax/_decide.py",
         "    return x if axis_name is None or x is None else op(x, axis_name)",
         "    return x",
         ["tests/test_adaptive_distributed.py"],
         "adaptive_unscale ignores axis_name"),
     "wrong-scale-on-one-group": (
-        "adaloss_jax/_adaptive.py",
+        "adaloss_jax/_decide.py",
         "        out.append(x * inv[g])",
         "        out.append(x * inv[g] * (1.0625 if g == leaf_groups[-1] else 1.0))",
         ["tests/test_transformations.py"],
         "one group's gradients unscaled by a wrong factor"),
     "every-module-gradient-off": (
-        "adaloss_jax/_adaptive.py",
+        "adaloss_jax/_decide.py",
         "        out.append(x * inv[g])",
         "        out.append(x * inv[g] * (1.0625 if g else 1.0))",
         ["tests/test_transformations.py"],

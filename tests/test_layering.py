@@ -14,7 +14,8 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "adaloss_jax"
 
 FLOOR = {"_common", "_formats", "_lookup", "_skip", "_tree", "_validation"}
 GLOBAL = {"_policies", "_transforms"}
-ADAPTIVE = {"_adaptive", "_apply", "_channel", "_config", "_jaxpr", "_layout", "_live", "_record",
+ADAPTIVE = {"_adaptive", "_apply", "_channel", "_config", "_decide", "_grad", "_groups", "_jaxpr",
+            "_layout", "_live", "_record",
             "_rule", "_state", "_stream", "_swap"}
 ABOVE = {"_check", "_checkpoint", "_diagnostics"}
 

@@ -507,7 +507,7 @@ def test_fp32_model_exact_under_same_step_scales(name):
     log2 = {g: int(rng.integers(-8, 16)) for g in groups}
     step, state = _grads_through(scaler, loss_fn, params, batch, log2)
     got, new_state, stats = step(state, params, *batch)
-    _, program, _ = alj._adaptive.trace(loss_fn, scaler, params, batch, {})
+    _, program, _ = alj._grad.trace(loss_fn, scaler, params, batch, {})
     assert program.live.groups  # some regions chose their own scales
     assert any(float(stats.log2_scales[g]) != log2[g] for g in program.live.groups)
     assert bool(new_state[0].base.last_applied)
@@ -524,7 +524,7 @@ def test_a_checkpoint_or_jit_of_the_loss_decides_inside_and_stays_exact(wrap):
     loss = lambda p, x, y=None: fn(p, x)  # noqa: E731
     scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
                           retries=0)
-    _, program, _ = alj._adaptive.trace(loss, scaler, params, (jnp.asarray(_X),), {})
+    _, program, _ = alj._grad.trace(loss, scaler, params, (jnp.asarray(_X),), {})
     assert program.live.groups == ("d1", "d2")
     step, state = _grads_through(scaler, loss, params, (jnp.asarray(_X),),
                                  {"": 3, "d1": 5, "d2": 12})
@@ -545,7 +545,7 @@ def test_a_scan_of_the_loss_keeps_the_plan_and_stays_exact():
 
     scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
                           retries=0)
-    _, program, _ = alj._adaptive.trace(loss, scaler, params, (jnp.asarray(_X),), {})
+    _, program, _ = alj._grad.trace(loss, scaler, params, (jnp.asarray(_X),), {})
     assert program.live.groups == ()
     step, state = _grads_through(scaler, loss, params, (jnp.asarray(_X),),
                                  {"": 3, "d1": 5, "d2": 12})
@@ -647,7 +647,7 @@ def test_a_child_inside_a_live_parent_converts_between_two_chosen_scales():
 
     scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
                           retries=0)
-    _, program, _ = alj._adaptive.trace(loss, scaler, params, (jnp.asarray(_X),), {})
+    _, program, _ = alj._grad.trace(loss, scaler, params, (jnp.asarray(_X),), {})
     assert set(program.live.groups) == {"_Outer_0", "_Outer_0/Dense_0"}
     assert any(len(n) == 2 for n in program.live.needs.values())  # both sides by token
     step, state = _grads_through(scaler, loss, params, (jnp.asarray(_X),),

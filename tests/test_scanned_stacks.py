@@ -20,7 +20,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import adaloss_jax as alj
-from adaloss_jax import _adaptive
+from adaloss_jax import _groups
 from adaloss_jax._layout import GroupVector, layers
 from adaloss_jax.bench import _deep, _models
 from adaloss_jax.equinox import eqx_adaptive_value_and_grad
@@ -319,8 +319,8 @@ def test_which_groups_may_be_stacks():
         "mixed": {"a": f((3, 4, 4)), "b": f((2, 4))},
     }
     module = alj.adaptive(groups="module")
-    assert _adaptive.stack_lengths(params, module) == {"scanned_dense": 3, "scanned_norm": 5}
-    assert _adaptive.stack_lengths(params, alj.adaptive()) == {}
+    assert _groups.stack_lengths(params, module) == {"scanned_dense": 3, "scanned_norm": 5}
+    assert _groups.stack_lengths(params, alj.adaptive()) == {}
     groups = alj.adaptive_unscale(module).init(params).groups
     assert [g for g in groups if g.startswith("scanned_dense")] == [
         "scanned_dense", "scanned_dense[0]", "scanned_dense[1]", "scanned_dense[2]"]

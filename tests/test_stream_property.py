@@ -17,7 +17,7 @@ from hypothesis import HealthCheck, example, given, settings
 from hypothesis import strategies as st
 
 import adaloss_jax as alj
-from adaloss_jax import _stream
+from adaloss_jax import _grad, _stream
 from adaloss_jax._layout import Layer
 
 pytestmark = pytest.mark.slow  # the full suite only (CI)
@@ -171,9 +171,8 @@ def _run(scaler, loss_fn, params, tokens, steps):
 
 def _applied_points(loss_fn, scaler, params, *batch) -> set[int]:
     """The scale points the plan applies (their numbers)."""
-    from adaloss_jax import _adaptive
 
-    _, program, _ = _adaptive.trace(loss_fn, scaler, params, batch, {})
+    _, program, _ = _grad.trace(loss_fn, scaler, params, batch, {})
     return {n for n, p in enumerate(program.plan.points) if p.x is not None}
 
 

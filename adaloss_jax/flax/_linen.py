@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from adaloss_jax import _adaptive, _lookup, _transforms
+from adaloss_jax import _adaptive, _grad, _lookup, _transforms
 from adaloss_jax._config import AdaptiveScale
 from adaloss_jax._state import AdaptiveScaleState
 
@@ -118,7 +118,7 @@ def train_step(
     """
     scale_used = state.loss_scale_state.loss_scale
     if isinstance(state.loss_scale_state, AdaptiveScaleState):
-        value, grads, stats = _adaptive.adaptive_value_and_grad(loss_fn, has_aux=has_aux)(
+        value, grads, stats = _grad.adaptive_value_and_grad(loss_fn, has_aux=has_aux)(
             state.opt_state, state.params, *args, **kwargs)
     else:
         value, grads, stats = _transforms.value_and_grad(loss_fn, has_aux=has_aux)(

@@ -16,7 +16,7 @@ from typing import Any
 
 from flax import nnx
 
-from adaloss_jax import _adaptive, _record, _swap
+from adaloss_jax import _grad, _record, _swap
 
 _BASE_NAMES = frozenset(dir(nnx.Module))
 
@@ -72,7 +72,7 @@ def nnx_adaptive_value_and_grad(
         loss, aux = out if has_aux else (out, None)
         return loss, (aux, nnx.state(copy, nnx.Not(wrt)))
 
-    core = _adaptive.adaptive_value_and_grad(pure, has_aux=True)
+    core = _grad.adaptive_value_and_grad(pure, has_aux=True)
 
     def wrapped(opt_state, model, *args, **kwargs):
         graphdef, params, rest = nnx.split(model, wrt, ...)

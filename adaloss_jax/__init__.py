@@ -1,21 +1,9 @@
 """adaloss_jax: loss scaling for fp16/fp8 mixed-precision training in JAX."""
 
+from adaloss_jax import checkpoint, diagnostics, formats
 from adaloss_jax._adaptive import adaptive_scaled, adaptive_unscale
-from adaloss_jax._check import GradientCheck, check_gradients
-from adaloss_jax._checkpoint import load_state, save_state
 from adaloss_jax._common import LossScaleState, all_finite, select_tree
 from adaloss_jax._config import AdaptiveScale, adaptive
-from adaloss_jax._diagnostics import check_health, scale_summary, scale_table, status_line
-from adaloss_jax._formats import (
-    BFLOAT16,
-    FLOAT8_E4M3,
-    FLOAT8_E5M2,
-    FLOAT16,
-    FLOAT32,
-    FORMATS,
-    FloatFormat,
-    float_format,
-)
 from adaloss_jax._grad import adaptive_value_and_grad
 from adaloss_jax._groups import param_groups
 from adaloss_jax._layout import GroupVector
@@ -52,19 +40,30 @@ del _linen
 
 __version__ = "0.2.0"
 
+
+# Moved into namespaces in 0.3 (CHANGELOG.md lists them): the old top-level names warn
+# for one release, then go.
+DEPRECATED = {name: space for space, names in (
+    ("diagnostics", diagnostics.__all__), ("formats", formats.__all__),
+    ("checkpoint", checkpoint.__all__)) for name in names}
+
+
+def __getattr__(name):
+    if name in DEPRECATED:
+        import warnings
+
+        space = DEPRECATED[name]
+        warnings.warn(f"adaloss_jax.{name} is deprecated and goes in 0.4; use "
+                      f"adaloss_jax.{space}.{name}", DeprecationWarning, stacklevel=2)
+        return getattr(globals()[space], name)
+    raise AttributeError(f"module 'adaloss_jax' has no attribute {name!r}")
+
+
 __all__ = [
     "AdaptiveScale",
     "AdaptiveScaleState",
-    "BFLOAT16",
     "DynamicLossScale",
-    "FLOAT16",
-    "FLOAT32",
-    "FLOAT8_E4M3",
-    "FLOAT8_E5M2",
-    "FORMATS",
-    "FloatFormat",
     "GlobalScaler",
-    "GradientCheck",
     "GroupVector",
     "LossScaleState",
     "LossScaleStats",
@@ -77,24 +76,19 @@ __all__ = [
     "adaptive_unscale",
     "adaptive_value_and_grad",
     "all_finite",
-    "check_gradients",
-    "check_health",
+    "checkpoint",
+    "diagnostics",
     "dynamic",
-    "float_format",
-    "load_state",
+    "formats",
     "loss_scaled",
     "no_scaling",
     "param_groups",
-    "save_state",
     "scale_group",
     "scale_loss",
     "scale_state",
-    "scale_summary",
-    "scale_table",
     "select_tree",
     "skip_nonfinite",
     "static",
-    "status_line",
     "unscale",
     "value_and_grad",
 ]

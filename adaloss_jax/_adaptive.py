@@ -22,8 +22,8 @@ from adaloss_jax import (
 from adaloss_jax._common import check_fingerprint
 from adaloss_jax._config import AdaptiveScale
 from adaloss_jax._state import (
-    HEALTH_FOREIGN_GRADS,
     AdaptiveScaleState,
+    Health,
     ScaleStats,
     initial_state,
 )
@@ -53,7 +53,7 @@ def _check_update(state: AdaptiveScaleState, scaler: AdaptiveScale, updates,
             "adaloss_jax.adaptive_value_and_grad returns with the scaled gradients, as in "
             "tx.update(grads, opt_state, params, loss=loss, scale_stats=stats). Gradients "
             "of an unscaled loss (plain jax.grad) need no adaptive_unscale; for a flax "
-            "TrainState use adaloss_jax.flax.TrainState and train_step")
+            "TrainState use adaloss_jax.flax.TrainState and linen_train_step")
     if state.scaler != scaler:
         raise ValueError(OTHER_SCALER.format(
             diff=_config.differences(scaler, state.scaler, names=("transformation", "state"))))
@@ -138,7 +138,7 @@ def adaptive_unscale(
         if scale_stats.grad_amax is not None:
             foreign = _decide.foreign(received, scale_stats.grad_amax, _decide.bound(axis_name))
             state = state.replace(
-                health=state.health | jnp.where(foreign, HEALTH_FOREIGN_GRADS, 0))
+                health=state.health | jnp.where(foreign, Health.FOREIGN_GRADS, 0))
         return _skip.signal_skip(updates, state.base.last_applied), state
 
     return optax.GradientTransformationExtraArgs(init_fn, update_fn)

@@ -84,7 +84,8 @@ def check_gradients(
     ...     jnp.float32))
     >>> state = alj.adaptive_unscale(alj.adaptive(groups="module")).init(params)
     >>> state = state.with_log2_scales({"": 10, "dense": 10})
-    >>> report = alj.check_gradients(loss(jnp.float16), loss(jnp.float32), state, params,
+    >>> check = alj.diagnostics.check_gradients
+    >>> report = check(loss(jnp.float16), loss(jnp.float32), state, params,
     ...                              jnp.ones((2, 4)))
     >>> report.disagreeing
     []

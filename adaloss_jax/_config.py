@@ -233,7 +233,7 @@ class AdaptiveScale:
 
     @property
     def format(self) -> _formats.FloatFormat:
-        """The :class:`~adaloss_jax.FloatFormat` of ``grad_dtype``."""
+        """The :class:`~adaloss_jax.formats.FloatFormat` of ``grad_dtype``."""
         return _formats.float_format(self.grad_dtype)
 
     @property

@@ -12,12 +12,8 @@ import jax
 from adaloss_jax import _common, _lookup, _tree
 from adaloss_jax._layout import Layer, group_of
 from adaloss_jax._state import (
-    HEALTH_FOREIGN_GRADS,
-    HEALTH_NOTHING_MEASURED,
-    HEALTH_PINNED_LOW,
-    HEALTH_SKIPPING,
-    HEALTH_SPAN,
     AdaptiveScaleState,
+    Health,
 )
 
 
@@ -72,7 +68,8 @@ def scale_summary(tree: Any) -> dict:
       root if it is alone).
 
     >>> import adaloss_jax as alj
-    >>> alj.scale_summary(alj.dynamic(initial_scale=2.0**10).init())["log2_group_scales"]
+    >>> summary = alj.diagnostics.scale_summary(alj.dynamic(initial_scale=2.0**10).init())
+    >>> summary["log2_group_scales"]
     {'': 10.0}
     """
     _, rows = _groups(tree)
@@ -106,7 +103,7 @@ def scale_table(tree: Any, *, legend: bool = True) -> str:
       The table, a string.
 
     >>> import adaloss_jax as alj
-    >>> print(alj.scale_table(alj.static(2.0**12).init(), legend=False))
+    >>> print(alj.diagnostics.scale_table(alj.static(2.0**12).init(), legend=False))
     group                                    log2 scale  log2 unit amax overflowed
     (root)                                           12               -      False
     """
@@ -132,7 +129,7 @@ def status_line(tree: Any, *, warn: bool = True) -> str:
       retried 2 | ok``.
 
     >>> import adaloss_jax as alj
-    >>> alj.status_line(alj.dynamic(initial_scale=2.0**10).init())
+    >>> alj.diagnostics.status_line(alj.dynamic(initial_scale=2.0**10).init())
     'applied | scale 2^10 | skipped 0/0, 0 in a row | ok'
     """
     st, rows = _groups(tree)
@@ -152,29 +149,29 @@ def status_line(tree: Any, *, warn: bool = True) -> str:
 
 
 _HEALTH_TEXT = {
-    HEALTH_SKIPPING: (
+    Health.SKIPPING: (
         "{k}+ steps in a row were skipped. If the loss is finite, something non-finite "
         "appears in the backward pass at any scale (log or sqrt of 0, inf * 0, a division "
-        "by 0): find it with adaloss_jax.check_gradients or jax.debug_nans; scaling cannot "
-        "fix it."
+        "by 0): find it with adaloss_jax.diagnostics.check_gradients or jax.debug_nans; "
+        "scaling cannot fix it."
     ),
-    HEALTH_PINNED_LOW: (
+    Health.PINNED_LOW: (
         "a group overflowed at min_loss_scale, so backing it off cannot help: its backward "
         "pass makes non-finite values at any scale, or min_loss_scale is too high for this "
         "model; lower min_loss_scale or fix the non-finite operation."
     ),
-    HEALTH_NOTHING_MEASURED: (
+    Health.NOTHING_MEASURED: (
         "nothing was measured at max_loss_scale: the gradients are exactly zero (the loss "
         "does not depend on the parameters, or everything is frozen); check that the loss "
         "function returns a loss computed from params."
     ),
-    HEALTH_SPAN: (
+    Health.SPAN: (
         "one global scale cannot hold this model's gradients: their amax at the module "
         "boundaries spread over more binades than grad_dtype holds, so the smallest "
         "flush to zero whatever the scale (the step is applied with them flushed). Give "
         "each module its own scale: adaloss_jax.adaptive(groups='module', ...)."
     ),
-    HEALTH_FOREIGN_GRADS: (
+    Health.FOREIGN_GRADS: (
         "the gradients handed to tx.update are not the ones its scale_stats were measured "
         "with (their largest magnitude per group differs): they are unscaled by scales "
         "they were not computed at. Pass the grads and stats of the same "
@@ -200,7 +197,7 @@ def check_health(tree: Any, *, warn: bool = True) -> list[str]:
       One message per problem; empty when all is well.
 
     >>> import adaloss_jax as alj
-    >>> alj.check_health(alj.dynamic().init())
+    >>> alj.diagnostics.check_health(alj.dynamic().init())
     []
     """
     st, _ = _groups(tree)
@@ -208,7 +205,7 @@ def check_health(tree: Any, *, warn: bool = True) -> list[str]:
     if isinstance(st, AdaptiveScaleState):
         bits = int(st.health)
     else:
-        bits = HEALTH_SKIPPING if k >= _SKIPPING_LIMIT else 0
+        bits = Health.SKIPPING if k >= _SKIPPING_LIMIT else 0
     msgs = [t.format(k=k) for b, t in _HEALTH_TEXT.items() if bits & b]
     if warn:
         for m in msgs:

@@ -251,29 +251,15 @@ def static(loss_scale: float = 2.0**15, *, compute_dtype: Any = "float16") -> Gl
     return _resolve(compute_dtype, StaticLossScale(loss_scale))
 
 
-def dynamic(
-    *,
-    initial_scale: float = 2.0**15,
-    period: int = 2000,
-    factor: float = 2.0,
-    min_loss_scale: float = 1.0,
-    max_loss_scale: float = 2.0**64,
-    hysteresis: int = 1,
-    consecutive_hysteresis: bool = False,
-    compute_dtype: Any = "float16",
-) -> GlobalScaler:
-    """Dynamic global loss scaling (see :class:`DynamicLossScale` for the rule).
+def dynamic(*, compute_dtype: Any = "float16", **options: Any) -> GlobalScaler:
+    """Dynamic global loss scaling: ``DynamicLossScale(**options)`` where
+    ``compute_dtype`` needs scaling.
 
     Args:
-      initial_scale: the scale at the start (a power of two).
-      period: consecutive finite steps per growth.
-      factor: growth and back-off factor (a power of two > 1).
-      min_loss_scale: lower bound of the scale (a power of two).
-      max_loss_scale: upper bound of the scale (a power of two); the scale never reaches
-        inf.
-      hysteresis: overflows tolerated before backing off.
-      consecutive_hysteresis: refill the hysteresis after every applied step.
       compute_dtype: the dtype the model computes in.
+      **options: fields of :class:`DynamicLossScale` (``initial_scale``, ``period``,
+        ``factor``, ``min_loss_scale``, ``max_loss_scale``, ``hysteresis``,
+        ``consecutive_hysteresis``: documented there, its defaults where omitted).
 
     Returns:
       A :class:`DynamicLossScale`, or :class:`NoLossScale` for bf16/fp32 compute.
@@ -281,7 +267,8 @@ def dynamic(
     Raises:
       ValueError: for an option out of range (not a power of two, bounds that do not
         hold ``initial_scale``), naming it and the fix.
-      TypeError: for an option of the wrong type, naming it and the fix.
+      TypeError: for an option of the wrong type, or no option of
+        :class:`DynamicLossScale`, naming it and the fix.
 
     Scaling is activated only for float16 and fp8 ``compute_dtype`` (Keras 3's
     choice): for bfloat16 or float32 this returns :class:`NoLossScale` and says so once.
@@ -290,15 +277,9 @@ def dynamic(
     DynamicLossScale(initial_scale=2**15, period=100, factor=2.0, min_loss_scale=1.0,
                      max_loss_scale=2**64, hysteresis=1, consecutive_hysteresis=False)
     """
-    return _resolve(
-        compute_dtype,
-        DynamicLossScale(
-            initial_scale=initial_scale,
-            period=period,
-            factor=factor,
-            min_loss_scale=min_loss_scale,
-            max_loss_scale=max_loss_scale,
-            hysteresis=hysteresis,
-            consecutive_hysteresis=consecutive_hysteresis,
-        ),
-    )
+    known = [f.name for f in dataclasses.fields(DynamicLossScale)]
+    unknown = sorted(set(options) - set(known))
+    if unknown:
+        raise TypeError(f"dynamic() got unknown option(s) {unknown}; its options are "
+                        f"compute_dtype and the fields of DynamicLossScale: {known}")
+    return _resolve(compute_dtype, DynamicLossScale(**options))

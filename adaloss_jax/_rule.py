@@ -13,11 +13,8 @@ from jax.scipy.special import erfinv
 from adaloss_jax import _channel, _common, _formats
 from adaloss_jax._layout import GroupVector
 from adaloss_jax._state import (
-    HEALTH_NOTHING_MEASURED,
-    HEALTH_PINNED_LOW,
-    HEALTH_SKIPPING,
-    HEALTH_SPAN,
     AdaptiveScaleState,
+    Health,
 )
 
 HEADROOM_RETURN = 1.0 / 256  # binades of learned headroom given back per applied step
@@ -200,17 +197,17 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     new_base = _common.count_step(base, m.grads_finite & measured & ~underscaled, m.loss_finite)
     new_base = new_base._replace(loss_scale=_formats.pow2(new_log2[0]))
     health = (jnp.where(new_base.notfinite_count >= cfg.max_consecutive_skips,
-                        HEALTH_SKIPPING, 0)
-              | jnp.where(jnp.any(bad & (log2 <= lo)), HEALTH_PINNED_LOW, 0)
+                        Health.SKIPPING, 0)
+              | jnp.where(jnp.any(bad & (log2 <= lo)), Health.PINNED_LOW, 0)
               | jnp.where(jnp.any(act & (amax == 0) & (log2 >= hi)) & ~measured,
-                          HEALTH_NOTHING_MEASURED, 0)).astype(jnp.int32)
+                          Health.NOTHING_MEASURED, 0)).astype(jnp.int32)
     if cfg.groups == "global" and m.flushed is not None:
         # One scale, as high as the largest gradients allow (within a binade of the
         # target), flushed a module's cotangent entirely: more span than it can hold.
         top = jnp.max(jnp.where(act, jnp.log2(amax), -jnp.inf))
         held = top >= log2_max - cfg.margin - 1
         health = health | jnp.where(m.loss_finite & m.grads_finite & m.flushed & held,
-                                    HEALTH_SPAN, 0).astype(jnp.int32)
+                                    Health.SPAN, 0).astype(jnp.int32)
     # A group that measured nothing had everything below u_min / 2 at its scale: a held
     # peak above that is stale (else a blind jump and the peak would alternate).
     flushed = jnp.minimum(prev_amax, math.log2(fmt.min_subnormal) - 1.0 - used)

@@ -9,6 +9,7 @@ statistics of another model at trace time.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from typing import Any
 
@@ -20,9 +21,21 @@ from adaloss_jax._common import LossScaleState, counters, fingerprint
 from adaloss_jax._config import AdaptiveScale
 from adaloss_jax._layout import GroupVector
 
-HEALTH_SKIPPING, HEALTH_PINNED_LOW, HEALTH_NOTHING_MEASURED = 1, 2, 4
-HEALTH_FOREIGN_GRADS = 8
-HEALTH_SPAN = 16
+
+class Health(enum.IntFlag):
+    """The bits of :attr:`AdaptiveScaleState.health` (0 when all is well);
+    ``Health(int(state.health))`` reads them, :func:`adaloss_jax.diagnostics.check_health` explains
+    them with the fix.
+
+    >>> Health(3)
+    <Health.SKIPPING|PINNED_LOW: 3>
+    """
+
+    SKIPPING = 1  # at least max_consecutive_skips skipped steps in a row
+    PINNED_LOW = 2  # a group overflowed at min_loss_scale
+    NOTHING_MEASURED = 4  # a group measured nothing at max_loss_scale
+    FOREIGN_GRADS = 8  # tx.update got other gradients than its scale_stats came with
+    SPAN = 16  # one global scale flushed a module's cotangent entirely
 
 
 
@@ -53,14 +66,14 @@ class AdaptiveScaleState:
         halfway to it, and the next finite statistics turn it into headroom.
       total_retries: int32, passes the gradient function took again inside a step
         (``AdaptiveScale.retries``) over the run.
-      health: int32 bit set, 0 when all is well: ``HEALTH_SKIPPING`` (at least
-        ``max_consecutive_skips`` skipped steps in a row), ``HEALTH_PINNED_LOW`` (a group
-        overflowed at ``min_loss_scale``), ``HEALTH_NOTHING_MEASURED`` (a group measured
-        nothing at ``max_loss_scale``), ``HEALTH_SPAN`` (one global scale, held
-        down by the largest gradients, flushed a module's cotangent entirely),
-        ``HEALTH_FOREIGN_GRADS`` (the gradients handed to ``update`` were not the ones
-        its ``scale_stats`` were measured with).
-        :func:`adaloss_jax.check_health` explains them.
+      health: int32 bit set of :class:`Health`, 0 when all is well: ``SKIPPING`` (at
+        least ``max_consecutive_skips`` skipped steps in a row), ``PINNED_LOW`` (a group
+        overflowed at ``min_loss_scale``), ``NOTHING_MEASURED`` (a group measured
+        nothing at ``max_loss_scale``), ``SPAN`` (one global scale, held down by the
+        largest gradients, flushed a module's cotangent entirely), ``FOREIGN_GRADS``
+        (the gradients handed to ``update`` were not the ones its ``scale_stats`` were
+        measured with).
+        :func:`adaloss_jax.diagnostics.check_health` explains them.
       scaler: the :class:`~adaloss_jax.AdaptiveScale` the state was built with (static).
       fingerprint: the parameter paths, ranks and shapes the state was built for
         (static).

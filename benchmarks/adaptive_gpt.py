@@ -148,7 +148,7 @@ def run_one(config, seed, args, train_data, val_batches):
         "first_step_s": t_first, "s_per_step": t_steady,
     }
     if ada is not None:
-        row.update(alj.scale_summary(ada))
+        row.update(alj.diagnostics.scale_summary(ada))
         row["bounds_hit"] = sorted(
             g or "(root)" for g, v in row["log2_group_scales"].items() if v <= -24 or v >= 64)
     return row

@@ -247,7 +247,7 @@ def run_one(runner: Runner, seed: int, args, batches, probe, test):
         "loss_every_50": [float(x) for x in losses[::50]],
     }
     if ada is not None:
-        row.update(alj.scale_summary(ada))
+        row.update(alj.diagnostics.scale_summary(ada))
         groups = row["log2_group_scales"]
         lo, hi = math.log2(runner.scaler.min_scale), math.log2(runner.scaler.max_scale)
         row["bounds_hit"] = sorted(g or "(root)" for g, v in groups.items() if v <= lo or v >= hi)

@@ -1,5 +1,5 @@
 """The misuses a new user makes (issue 30) and what each gets: an error at trace time, or a
-health flag that ``alj.status_line`` and ``alj.check_health`` report.
+health flag that ``alj.diagnostics.status_line`` and ``alj.diagnostics.check_health`` report.
 
     python benchmarks/misuse_messages.py
 
@@ -45,8 +45,8 @@ def report(name: str, run) -> None:
     except ValueError as e:
         print(f"[{name}] ValueError: {e}\n")
         return
-    print(f"[{name}] no error; status: {alj.status_line(state, warn=False)}")
-    for problem in alj.check_health(state, warn=False):
+    print(f"[{name}] no error; status: {alj.diagnostics.status_line(state, warn=False)}")
+    for problem in alj.diagnostics.check_health(state, warn=False):
         print(f"  check_health: {problem}")
     print()
 

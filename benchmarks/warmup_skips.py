@@ -28,7 +28,7 @@ from flax import linen as nn
 
 import adaloss_jax as alj
 from adaloss_jax.bench._models import GPT
-from adaloss_jax.flax import TrainState, train_step
+from adaloss_jax.flax import TrainState, linen_train_step
 
 
 class _Block(nn.Module):
@@ -74,7 +74,7 @@ def run(name, groups, dtype, steps, retries, same_step=None):
                           retries=retries, same_step=same_step)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
                               scaler=scaler)
-    step = jax.jit(lambda s: train_step(s, loss_fn, x, y))
+    step = jax.jit(lambda s: linen_train_step(s, loss_fn, x, y))
     skipped = []
     for i in range(steps):
         state, _ = step(state)

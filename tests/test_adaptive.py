@@ -333,7 +333,7 @@ def test_scale_table_lists_every_group():
     _, params, loss16, batch = _setup("mlp", jnp.float16)
     step, state = _grads_through(alj.adaptive(groups="module"), loss16, params, batch)
     _, state, _ = step(state, params, *batch)
-    table = alj.scale_table(state)
+    table = alj.diagnostics.scale_table(state)
     for g in alj.param_groups(params, alj.adaptive(groups="module")):
         assert (g or "(root)") in table
 
@@ -353,8 +353,8 @@ def test_checkpoint_mid_run_continues_identically(tmp_path):
     run = (params, tx.init(params))
     for _ in range(3):
         run = step(*run)
-    alj.save_state(tmp_path / "ckpt.msgpack", run)
-    restored = alj.load_state(tmp_path / "ckpt.msgpack", (params, tx.init(params)))
+    alj.checkpoint.save_state(tmp_path / "ckpt.msgpack", run)
+    restored = alj.checkpoint.load_state(tmp_path / "ckpt.msgpack", (params, tx.init(params)))
     for _ in range(3):
         run, restored = step(*run), step(*restored)
     for a, b in zip(jax.tree_util.tree_leaves(run), jax.tree_util.tree_leaves(restored)):
@@ -401,17 +401,17 @@ def test_check_mode_names_disagreeing_leaves():
     scaler = alj.adaptive(groups="module", retries=0)  # the check sees one pass
     step, state = _grads_through(scaler, loss16, params, batch)
     _, state, _ = step(state, params, *batch)
-    report = alj.check_gradients(loss16, loss32, state, params, *batch)
+    report = alj.diagnostics.check_gradients(loss16, loss32, state, params, *batch)
     assert report.disagreeing == []
     assert len(report.rows) == len(jax.tree_util.tree_leaves(params))
     assert "all leaves within rtol" in str(report)
-    again = alj.check_gradients(loss16, loss32, state, params, *batch)
+    again = alj.diagnostics.check_gradients(loss16, loss32, state, params, *batch)
     assert again.rows == report.rows
     assert alj._check._compiled(loss16, loss32, scaler)._cache_size() == 1  # one compile
     # A loss that flushes (x 2^-40 at the current scales) is caught and named.
     tiny16 = lambda p, x, y: loss16(p, x, y) * 2.0**-40
     tiny32 = lambda p, x, y: loss32(p, x, y) * 2.0**-40
-    report = alj.check_gradients(tiny16, tiny32, state, params, *batch)
+    report = alj.diagnostics.check_gradients(tiny16, tiny32, state, params, *batch)
     assert "Dense_0/kernel" in report.disagreeing
     assert all(r["underflow_rate"] > 0.5 for r in report.rows if r["name"] in report.disagreeing)
 
@@ -677,7 +677,7 @@ def test_scale_summary_is_plain_data():
     _, params, loss16, batch = _setup("mlp", jnp.float16)
     step, state = _grads_through(alj.adaptive(groups="module"), loss16, params, batch)
     _, state, _ = step(state, params, *batch)
-    summary = alj.scale_summary(state)
+    summary = alj.diagnostics.scale_summary(state)
     groups = summary["log2_group_scales"]
     assert set(groups) == set(alj.scale_state(state).log2_scales)
     assert all(isinstance(v, float) for v in groups.values())

@@ -12,7 +12,7 @@ from flax import linen as nn
 from test_adaptive import _grads_through, _setup, known_stats
 
 import adaloss_jax as alj
-from adaloss_jax._state import HEALTH_SKIPPING
+from adaloss_jax.diagnostics import Health
 
 LOG2_MAX = math.log2(65504.0)  # fp16
 E_MIN = -24  # log2 of fp16's smallest subnormal
@@ -331,7 +331,7 @@ def test_after_max_consecutive_skips_every_group_backs_off():
     # and with no measured peak it backs off by backoff * 2**min(n, 4) while it keeps
     # overflowing (n: skips in a row).
     assert b_scales == [9.0, 8.0, 7.0, 7.0 - 2**3]
-    assert int(state.health) & HEALTH_SKIPPING
+    assert int(state.health) & Health.SKIPPING
 
 
 def test_a_group_blamed_first_backs_off_by_factor_alone():

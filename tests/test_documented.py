@@ -30,7 +30,7 @@ from test_rule import _measured, _scales, _state, adjust
 import adaloss_jax as alj
 from adaloss_jax import _record
 from adaloss_jax.equinox import eqx_adaptive_value_and_grad
-from adaloss_jax.flax import TrainState, nnx_optimizer, nnx_train_step, train_step
+from adaloss_jax.flax import TrainState, linen_train_step, nnx_optimizer, nnx_train_step
 
 LOG2_MAX = math.log2(65504.0)  # fp16
 E_MIN = -24  # log2 of fp16's smallest subnormal
@@ -398,12 +398,12 @@ def _scalers(retries=4):
 
 _LINEN_REF = jax.jit(lambda p, x, w: jax.value_and_grad(_linen_loss, has_aux=True)(
     p, x, weight=w))
-_LINEN_STEP = jax.jit(lambda s, x, w: train_step(s, _linen_loss, x, has_aux=True, weight=w))
+_LINEN_STEP = jax.jit(lambda s, x, w: linen_train_step(s, _linen_loss, x, has_aux=True, weight=w))
 
 
 @pytest.mark.parametrize("family", ["dynamic", "adaptive"])
 def test_linen_train_step_has_aux_and_keyword_arguments(family):
-    """``train_step(state, loss_fn, *args, has_aux=True, **kwargs)``: the keyword
+    """``linen_train_step(state, loss_fn, *args, has_aux=True, **kwargs)``: the keyword
     arguments reach the loss, ``metrics["aux"]`` is its aux, and the update is SGD on
     the gradient of the unscaled fp32 loss (the scale was taken out exactly)."""
     state = TrainState.create(apply_fn=_LINEN.apply, params=_LINEN_PARAMS,
@@ -422,7 +422,7 @@ def test_linen_train_step_has_aux_and_keyword_arguments(family):
 
 @functools.cache
 def _mapped_linen_step(scaler, axis_name):
-    """``train_step`` under ``shard_map`` on 2 devices with nothing reducing the
+    """``linen_train_step`` under ``shard_map`` on 2 devices with nothing reducing the
     gradients (check_vma=False); each device returns its own state."""
     state = TrainState.create(apply_fn=_LINEN.apply, params=_LINEN_PARAMS, tx=optax.sgd(0.1),
                               scaler=scaler, axis_name=axis_name)
@@ -438,7 +438,7 @@ def _mapped_linen_step(scaler, axis_name):
         return jnp.mean(poison(_LINEN.apply({"params": params}, x), bad) ** 2)
 
     def local(state, x, bad):
-        state, metrics = train_step(state, loss_fn, x, bad)
+        state, metrics = linen_train_step(state, loss_fn, x, bad)
         return jax.tree_util.tree_map(lambda a: jnp.asarray(a)[None], (state, metrics["applied"]))
 
     mesh = _mesh2()
@@ -462,7 +462,7 @@ def test_linen_train_state_axis_name_makes_every_device_skip_together(family):
     state, applied = _mapped_linen_step(scaler, "data")(x, bad)
     assert applied.tolist() == [False, False]
     devices = [jax.tree_util.tree_map(lambda a, d=d: a[d], state) for d in range(2)]
-    summaries = [alj.scale_summary(s) for s in devices]
+    summaries = [alj.diagnostics.scale_summary(s) for s in devices]
     assert summaries[0] == summaries[1]
     if family == "dynamic":
         assert summaries[0]["log2_group_scales"] == {"": 9.0}  # backed off from 2**10
@@ -605,7 +605,8 @@ def _assert_restored(restored, tree, template):
     for r, t, want in zip(*(jax.tree_util.tree_leaves(x) for x in (restored, template, tree))):
         assert isinstance(r, jax.Array) and r.sharding == t.sharding
         np.testing.assert_array_equal(np.asarray(r), np.asarray(want))
-    assert alj.scale_table(restored["opt_state"]) == alj.scale_table(tree["opt_state"])
+    table = alj.diagnostics.scale_table
+    assert table(restored["opt_state"]) == table(tree["opt_state"])
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "sharded"])
@@ -616,8 +617,8 @@ def test_load_state_restores_onto_the_templates_placement(tmp_path, sharded):
     if sharded:
         template = _sharded(template)
         assert len(template["params"]["Dense_0"]["kernel"].sharding.device_set) == 2
-    alj.save_state(tmp_path / "ckpt.npz", tree)
-    _assert_restored(alj.load_state(tmp_path / "ckpt.npz", template), tree, template)
+    alj.checkpoint.save_state(tmp_path / "ckpt.npz", tree)
+    _assert_restored(alj.checkpoint.load_state(tmp_path / "ckpt.npz", template), tree, template)
 
 
 @pytest.mark.parametrize("sharded", [False, True], ids=["one-device", "sharded"])

@@ -1,4 +1,4 @@
-"""Flax integrations: linen TrainState + train_step, NNX optimizer + nnx_train_step."""
+"""Flax integrations: linen TrainState + linen_train_step, NNX optimizer + nnx_train_step."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from flax import linen as nn
 from flax import nnx
 
 import adaloss_jax as alj
-from adaloss_jax.flax import TrainState, nnx_optimizer, nnx_train_step, train_step
+from adaloss_jax.flax import TrainState, linen_train_step, nnx_optimizer, nnx_train_step
 
 STEPS = 6
 BAD_STEP = 2
@@ -57,7 +57,7 @@ def linen_loss(params, apply_fn, x, y, bad):
 
 @jax.jit
 def linen_step(state, x, y, bad):
-    return train_step(state, linen_loss, state.apply_fn, x, y, bad)
+    return linen_train_step(state, linen_loss, state.apply_fn, x, y, bad)
 
 
 def test_linen_train_step_skips_and_counts():
@@ -82,7 +82,7 @@ def test_linen_train_step_skips_and_counts():
             assert leaves_equal(state.opt_state[1], before.opt_state[1])
         else:
             assert not leaves_equal(state.params, before.params)
-    st = state.loss_scale_state
+    st = state.scale_state
     assert int(state.step) == STEPS
     assert (int(st.total_applied), int(st.total_skipped)) == (STEPS - 1, 1)
     assert int(st.total_nonfinite_loss) == 0
@@ -91,7 +91,7 @@ def test_linen_train_step_skips_and_counts():
 
 
 def test_linen_train_step_adaptive_per_module():
-    """scaler=adaptive(): per-module scale points in train_step, one jit, skips visible,
+    """scaler=adaptive(): per-module scale points in linen_train_step, one jit, skips visible,
     gradients (hence updates) equal to an fp32 run with the same optimizer."""
     model = MLP()
     xs, ys = batches()
@@ -115,7 +115,7 @@ def test_linen_train_step_adaptive_per_module():
                                          before.params)
             for g, r in zip(jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
                 np.testing.assert_allclose(g, r, rtol=0.05, atol=1e-4)
-    st = state.loss_scale_state
+    st = state.scale_state
     assert (int(st.total_applied), int(st.total_skipped)) == (STEPS - 1, 1)
     assert int(alj.scale_state(state).total_retries) >= 1  # step 0's
     # The statistics moved the scales off their initial 2**0.
@@ -128,12 +128,12 @@ def linen_loss_times(params, apply_fn, x, y, factor):
 
 @jax.jit
 def linen_step_times(state, x, y, factor):
-    return train_step(state, linen_loss_times, state.apply_fn, x, y, factor)
+    return linen_train_step(state, linen_loss_times, state.apply_fn, x, y, factor)
 
 
 @pytest.mark.parametrize("family", ["dynamic", "adaptive"])
 def test_linen_train_step_tells_a_nonfinite_loss_from_a_gradient_overflow(family):
-    """train_step hands the loss to the update: an inf loss (a forward overflow, which
+    """linen_train_step hands the loss to the update: an inf loss (a forward overflow, which
     no scale can fix) skips the step, counts in ``total_nonfinite_loss`` and moves no
     scale; a gradient overflow would have backed the scale off."""
     model = MLP()
@@ -145,11 +145,11 @@ def test_linen_train_step_tells_a_nonfinite_loss_from_a_gradient_overflow(family
                               scaler=scaler)
     state, metrics = linen_step_times(state, xs[0], ys[0], jnp.float32(1.0))
     assert bool(metrics["applied"])
-    scales = lambda s: alj.scale_summary(s)["log2_group_scales"]
+    scales = lambda s: alj.diagnostics.scale_summary(s)["log2_group_scales"]
     before = scales(state)
     state, metrics = linen_step_times(state, xs[1], ys[1], jnp.float32(jnp.inf))
     assert not bool(metrics["applied"])
-    st = state.loss_scale_state
+    st = state.scale_state
     assert (int(st.total_skipped), int(st.total_nonfinite_loss)) == (1, 1)
     assert scales(state) == before
 
@@ -167,7 +167,7 @@ def test_linen_create_without_unscale_is_refused():
     state = TrainState.create(
         apply_fn=model.apply, params=params, tx=alj.loss_scaled(optax.sgd(0.1), alj.static())
     )
-    assert float(state.loss_scale_state.loss_scale) == 2.0**15
+    assert float(state.scale_state.loss_scale) == 2.0**15
 
 
 # --- NNX ------------------------------------------------------------------------
@@ -240,12 +240,28 @@ def test_linen_train_state_checkpoint_continues_identically(tmp_path):
     for t in range(STEPS):
         state, _ = linen_step(state, xs[t], ys[t], jnp.asarray(t == BAD_STEP))
         states.append(state)
-    alj.save_state(tmp_path / "ts", states[BAD_STEP])
-    restored = alj.load_state(tmp_path / "ts", fresh())
+    alj.checkpoint.save_state(tmp_path / "ts", states[BAD_STEP])
+    restored = alj.checkpoint.load_state(tmp_path / "ts", fresh())
     # The template's step is a Python int; restored as the weakly typed array training
     # made of it, so the jitted step does not recompile.
     assert jax.typeof(restored.step) == jax.typeof(states[BAD_STEP].step)
-    assert not bool(restored.loss_scale_state.last_applied)
+    assert not bool(restored.scale_state.last_applied)
     for t in range(BAD_STEP + 1, STEPS):
         restored, _ = linen_step(restored, xs[t], ys[t], jnp.asarray(t == BAD_STEP))
         assert leaves_equal(restored, states[t]), t
+
+
+def test_the_old_linen_names_warn_and_still_work():
+    """0.3 renamed ``flax.train_step`` to ``linen_train_step`` and
+    ``TrainState.loss_scale_state`` to ``scale_state``; the old names warn for a release."""
+    import adaloss_jax.flax as alj_flax
+
+    with pytest.warns(DeprecationWarning, match="linen_train_step"):
+        old = alj_flax.train_step
+    assert old is alj_flax.linen_train_step
+    state = TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)}, tx=optax.sgd(0.1),
+                              scaler=alj.static(8.0))
+    with pytest.warns(DeprecationWarning, match="TrainState.scale_state"):
+        assert float(state.loss_scale_state.loss_scale) == float(state.scale_state.loss_scale)
+    with pytest.raises(AttributeError, match="no_such_name"):
+        alj_flax.no_such_name  # noqa: B018

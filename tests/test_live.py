@@ -684,7 +684,7 @@ def _deep_health(groups, grad_dtype):
     for _ in range(2):  # (the first step runs at scale 1, below where the top allows)
         _, grads, stats = grad_fn(state, params, x)
         _, state = update(grads, state, params, scale_stats=stats)
-    return bool(stats.flushed), alj.check_health(state, warn=False)
+    return bool(stats.flushed), alj.diagnostics.check_health(state, warn=False)
 
 
 def test_one_global_scale_that_cannot_hold_the_span_says_module_groups_are_the_fix():

@@ -125,7 +125,7 @@ def test_check_gradients_refuses_a_scaler_in_place_of_the_state():
     params, _, _ = _one_group()
     loss = lambda p: jnp.sum(p["msg_d"]["w"])
     with pytest.raises(TypeError, match="reads the scaler from opt_state: drop the scaler"):
-        alj.check_gradients(loss, loss, alj.adaptive(), params)
+        alj.diagnostics.check_gradients(loss, loss, alj.adaptive(), params)
 
 
 # ------------------------------------------------------------------ numerics

@@ -19,7 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import adaloss_jax as alj
 from adaloss_jax import _common
-from adaloss_jax._state import HEALTH_FOREIGN_GRADS
+from adaloss_jax.diagnostics import Health
 
 F16 = jnp.float16
 dense = alj.scale_group("mis_d")(lambda p, x: jnp.tanh(x @ p["w"].astype(x.dtype)))
@@ -153,13 +153,13 @@ def test_gradients_not_those_of_the_statistics_raise_a_health_flag(case, retries
     sets the scales (at scale 1, plain gradients would be the scaled ones)."""
     tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module", retries=retries))
     params, state = _step(tx)(PARAMS, tx.init(PARAMS))
-    assert not int(alj.scale_state(state).health) & HEALTH_FOREIGN_GRADS
+    assert not int(alj.scale_state(state).health) & Health.FOREIGN_GRADS
     _, state = _step(tx, FOREIGN[case])(params, state)
-    assert int(alj.scale_state(state).health) & HEALTH_FOREIGN_GRADS
+    assert int(alj.scale_state(state).health) & Health.FOREIGN_GRADS
     with pytest.warns(RuntimeWarning, match="not the ones its scale_stats were measured"):
-        problems = alj.check_health(state)
+        problems = alj.diagnostics.check_health(state)
     assert any("jax.grad" in m for m in problems)
-    assert "problem(s)" in alj.status_line(state, warn=False)
+    assert "problem(s)" in alj.diagnostics.status_line(state, warn=False)
 
 
 def test_the_gradients_of_the_statistics_raise_no_flag():
@@ -170,7 +170,7 @@ def test_the_gradients_of_the_statistics_raise_no_flag():
         for _ in range(3):
             params, state = step(params, state)
             assert int(alj.scale_state(state).health) == 0
-        assert alj.check_health(state, warn=False) == []
+        assert alj.diagnostics.check_health(state, warn=False) == []
 
 
 def test_gradients_averaged_over_devices_inside_shard_map_raise_no_flag(mesh):
@@ -195,9 +195,9 @@ def test_gradients_averaged_over_devices_inside_shard_map_raise_no_flag(mesh):
     params, state = jax.device_put((PARAMS, state), rep)
     xs = jax.device_put(xs, NamedSharding(mesh, P("data")))
     mean = make(lambda g: jax.lax.pmean(g, "data"))(params, state, xs)
-    assert int(alj.scale_state(mean).health) & HEALTH_FOREIGN_GRADS == 0
+    assert int(alj.scale_state(mean).health) & Health.FOREIGN_GRADS == 0
     blown = make(lambda g: jax.tree_util.tree_map(lambda v: v * 64.0, g))(params, state, xs)
-    assert int(alj.scale_state(blown).health) & HEALTH_FOREIGN_GRADS
+    assert int(alj.scale_state(blown).health) & Health.FOREIGN_GRADS
 
 
 # ------------------------------------------------------ 3, 4: another width, another scaler
@@ -294,11 +294,11 @@ def test_an_adaptive_scaler_on_a_wide_model_turns_itself_off(dtype):
     st = alj.scale_state(state)
     assert bool(st.last_applied) and int(st.total_skipped) == 0
     assert int(st.total_retries) == 0 and float(st.loss_scale) == 1.0
-    assert set(alj.scale_summary(state)["log2_group_scales"].values()) == {0.0}
+    assert set(alj.diagnostics.scale_summary(state)["log2_group_scales"].values()) == {0.0}
     _, state, _ = step(p, state, X.at[0, 0].set(jnp.nan))
     st = alj.scale_state(state)
     assert not bool(st.last_applied) and int(st.total_skipped) == 1
-    assert set(alj.scale_summary(state)["log2_group_scales"].values()) == {0.0}
+    assert set(alj.diagnostics.scale_summary(state)["log2_group_scales"].values()) == {0.0}
 
 
 def test_compute_dtype_decides_over_what_the_trace_shows():
@@ -311,7 +311,7 @@ def test_compute_dtype_decides_over_what_the_trace_shows():
         st = alj.scale_state(state)
         assert bool(st.last_applied)
         assert (int(st.total_retries) > 0) == on
-        assert (max(alj.scale_summary(state)["log2_group_scales"].values()) > 0) == on
+        assert (max(alj.diagnostics.scale_summary(state)["log2_group_scales"].values()) > 0) == on
     assert alj.adaptive(compute_dtype=jnp.bfloat16) == alj.adaptive(compute_dtype="bfloat16")
 
 
@@ -337,7 +337,7 @@ def test_a_scale_group_above_nested_parameters_is_one_group():
     tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module"))
     state = tx.init(NESTED)
     assert "mis_blk" in alj.scale_state(state).groups
-    before = alj.scale_table(state, legend=False)
+    before = alj.diagnostics.scale_table(state, legend=False)
     assert "mis_blk/a" in before and "mis_blk " not in before  # nothing used yet
 
     @jax.jit
@@ -350,9 +350,9 @@ def test_a_scale_group_above_nested_parameters_is_one_group():
     state, stats, grads = step(NESTED, state)
     assert "mis_blk" in stats.log2_scales.names
     assert "mis_blk/a" not in stats.log2_scales.names
-    table = alj.scale_table(state, legend=False)
+    table = alj.diagnostics.scale_table(state, legend=False)
     assert "mis_blk " in table and "mis_blk/a" not in table and "mis_blk/b" not in table
-    summary = alj.scale_summary(state)
+    summary = alj.diagnostics.scale_summary(state)
     assert summary["log2_unit_amax"]["mis_blk"] is not None
     # each leaf unscaled by its group's scale: the fp32 gradients
     ref = jax.grad(lambda p, x: nested_loss(p, x, jnp.float32))(NESTED, X)
@@ -368,17 +368,17 @@ def test_a_scale_group_above_nested_parameters_is_one_group():
 def test_the_status_line_says_applied_scales_skips_and_health():
     tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module", retries=0))
     state = tx.init(PARAMS)
-    line = alj.status_line(state)
+    line = alj.diagnostics.status_line(state)
     assert line.startswith("applied | scale 2^0 (2 groups) | skipped 0/0, 0 in a row")
     params, state = _step(tx)(PARAMS, state)  # step 0 at scale 1, skipped, scales set
-    line = alj.status_line(state)
-    lo = min(v for g, v in alj.scale_summary(state)["log2_group_scales"].items() if g)
-    hi = max(v for g, v in alj.scale_summary(state)["log2_group_scales"].items() if g)
+    line = alj.diagnostics.status_line(state)
+    lo = min(v for g, v in alj.diagnostics.scale_summary(state)["log2_group_scales"].items() if g)
+    hi = max(v for g, v in alj.diagnostics.scale_summary(state)["log2_group_scales"].items() if g)
     assert line.startswith(f"SKIPPED | scale 2^{lo:g}..2^{hi:g} (2 groups) | skipped 1/1, "
                            f"1 in a row")
     assert line.endswith("| ok")
     glob = alj.loss_scaled(optax.sgd(0.1), alj.dynamic(initial_scale=2.0**15))
-    assert alj.status_line(glob.init(PARAMS)) == (
+    assert alj.diagnostics.status_line(glob.init(PARAMS)) == (
         "applied | scale 2^15 | skipped 0/0, 0 in a row | ok")
 
 
@@ -387,21 +387,21 @@ def test_a_run_of_skipped_steps_warns_from_the_status_line():
     state = state.replace(health=jnp.int32(1),
                           base=state.base._replace(notfinite_count=jnp.int32(16)))
     with pytest.warns(RuntimeWarning, match="16\\+ steps in a row were skipped"):
-        line = alj.status_line(state)
+        line = alj.diagnostics.status_line(state)
     assert line.endswith("1 problem(s): see check_health")
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        alj.status_line(state, warn=False)
+        alj.diagnostics.status_line(state, warn=False)
 
 
 def test_the_table_explains_its_columns_and_shows_nothing_measured_as_a_dash():
-    table = alj.scale_table(alj.dynamic().init())
+    table = alj.diagnostics.scale_table(alj.dynamic().init())
     row = table.splitlines()[1].split()
     assert row == ["(root)", "15", "-", "False"]
     assert "log2 unit amax: log2 of the largest gradient magnitude" in table
-    summary = alj.scale_summary(alj.dynamic().init())
+    summary = alj.diagnostics.scale_summary(alj.dynamic().init())
     assert summary["log2_unit_amax"] == {"": None}
     tx = alj.adaptive_scaled(optax.sgd(0.1), MODULE)
     _, state = _step(tx)(PARAMS, tx.init(PARAMS))
-    for v in alj.scale_summary(state)["log2_unit_amax"].values():
+    for v in alj.diagnostics.scale_summary(state)["log2_unit_amax"].values():
         assert v is None or (isinstance(v, float) and v == round(v, 2) and math.isfinite(v))

@@ -165,7 +165,7 @@ def test_scale_table_and_summary_accept_every_nnx_state_in_model_order():
     step(model, opt, jnp.ones((2, 4)))
     expected = [""] + [f"l/{i}" for i in range(11)]
     for held in (opt, opt.opt_state, nnx.as_pure(opt.opt_state)):
-        assert list(alj.scale_summary(held)["log2_group_scales"]) == expected
+        assert list(alj.diagnostics.scale_summary(held)["log2_group_scales"]) == expected
         rows = [line.split()[0]
-                for line in alj.scale_table(held, legend=False).splitlines()[1:]]
+                for line in alj.diagnostics.scale_table(held, legend=False).splitlines()[1:]]
         assert rows == ["(root)"] + expected[1:]

@@ -14,7 +14,7 @@ import optax
 import orbax.checkpoint as ocp
 
 import adaloss_jax as alj
-from adaloss_jax.flax import TrainState, train_step
+from adaloss_jax.flax import TrainState, linen_train_step
 
 MLP = functools.partial(_models.MLP, depth=1)  # fp16 compute, Dense_0 and Dense_1
 
@@ -32,7 +32,7 @@ def _setup():
         logits = model.apply({"params": p}, x).astype(jnp.float32)
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() * 2.0**-20
 
-    step = jax.jit(lambda s, x, y: train_step(s, loss_fn, x, y)[0])
+    step = jax.jit(lambda s, x, y: linen_train_step(s, loss_fn, x, y)[0])
     return state, step, x, y
 
 
@@ -70,5 +70,5 @@ def test_checkpoint_manager_round_trip_resumes_bit_identically(tmp_path):
         mngr.wait_until_finished()
         abstract = jax.tree_util.tree_map(ocp.utils.to_shape_dtype_struct, state)
         restored = mngr.restore(mngr.latest_step(), args=ocp.args.StandardRestore(abstract))
-    assert alj.scale_summary(restored) == alj.scale_summary(state)
+    assert alj.diagnostics.scale_summary(restored) == alj.diagnostics.scale_summary(state)
     _same(_run(restored, step, x, y, 3), _run(state, step, x, y, 3))

@@ -346,3 +346,13 @@ def test_float16_scales_without_notice(monkeypatch):
         warnings.simplefilter("error")
         assert isinstance(alj.dynamic(compute_dtype=jnp.float16), alj.DynamicLossScale)
         assert isinstance(alj.static(compute_dtype="fp16"), alj.StaticLossScale)
+
+
+def test_dynamic_takes_the_fields_of_its_scaler_and_names_an_unknown_one():
+    """``dynamic()`` forwards its options to ``DynamicLossScale`` (one list of fields,
+    one set of defaults), and a misspelt one is named with the valid ones."""
+    assert alj.dynamic() == alj.DynamicLossScale()
+    assert alj.dynamic(initial_scale=2.0**8, hysteresis=2) == alj.DynamicLossScale(
+        initial_scale=2.0**8, hysteresis=2)
+    with pytest.raises(TypeError, match=r"\['periods'\].*'period'"):
+        alj.dynamic(periods=3)

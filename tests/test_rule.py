@@ -12,7 +12,7 @@ import pytest
 
 import adaloss_jax as alj
 from adaloss_jax import _rule
-from adaloss_jax._state import HEALTH_NOTHING_MEASURED, HEALTH_PINNED_LOW, HEALTH_SKIPPING
+from adaloss_jax.diagnostics import Health
 
 LOG2_MAX = math.log2(65504.0)
 GROUPS = ("", "a", "b")
@@ -165,7 +165,7 @@ def test_max_consecutive_skips_backs_every_nonfinite_group_off_and_flags_health(
     for _ in range(3):
         state = adjust(state, _measured(state, [-20.0, np.inf, np.inf], bad=(False, True, False)))
     assert _scales(state)[2] < 10.0  # b received only, but backs off after K skips
-    assert int(state.health) & HEALTH_SKIPPING
+    assert int(state.health) & Health.SKIPPING
 
 
 def test_a_forward_overflow_moves_no_scale():
@@ -207,10 +207,10 @@ def test_a_step_far_below_its_scale_is_skipped_and_the_scales_move(rise):
 def test_pinned_scales_are_flagged():
     state = _state(scales=(-24, -24, -24), max_rise=100)
     new = adjust(state, _measured(state, [-20.0, np.inf, -12.0], bad=(False, True, False)))
-    assert int(new.health) & HEALTH_PINNED_LOW
+    assert int(new.health) & Health.PINNED_LOW
     hi = _state(scales=(64, 64, 64), max_rise=100)
     new = adjust(hi, _measured(hi, [None, None, None]))
-    assert int(new.health) & HEALTH_NOTHING_MEASURED
+    assert int(new.health) & Health.NOTHING_MEASURED
 
 
 def test_gaussian_rule_takes_the_smaller_scale():

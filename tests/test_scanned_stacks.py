@@ -179,7 +179,7 @@ def test_scanned_stack_scales_each_layer_like_its_unrolled_twin_in_fp16():
                                       u_unr[f"layer{i}"]["kernel"])
     scales = [float(s_scan.log2_scales[f"stack[{i}]"]) for i in range(depth)]
     assert len(set(scales)) > 1, scales  # the layers do differ
-    table = alj.scale_table(s_scan)
+    table = alj.diagnostics.scale_table(s_scan)
     assert table.index("stack[0]") < table.index("stack[1]") < table.index("stack[3]")
 
 

@@ -268,13 +268,13 @@ def test_checkpoint_mid_run_continues_bitwise(tmp_path):
     full = run_scaled(params, TX.init(params), STEPS)
     mid = 5
     p_mid, s_mid = full[mid - 1][:2]
-    alj.save_state(tmp_path / "params.msgpack", p_mid)
-    alj.save_state(tmp_path / "opt.msgpack", s_mid)
+    alj.checkpoint.save_state(tmp_path / "params.msgpack", p_mid)
+    alj.checkpoint.save_state(tmp_path / "opt.msgpack", s_mid)
 
     # A fresh process would rebuild the templates from the same code.
     fresh = init_params()
-    p_loaded = alj.load_state(tmp_path / "params.msgpack", fresh)
-    s_loaded = alj.load_state(tmp_path / "opt.msgpack", TX.init(fresh))
+    p_loaded = alj.checkpoint.load_state(tmp_path / "params.msgpack", fresh)
+    s_loaded = alj.checkpoint.load_state(tmp_path / "opt.msgpack", TX.init(fresh))
     assert tree_equal(p_loaded, p_mid)
     assert tree_equal(s_loaded, s_mid)
     assert isinstance(alj.scale_state(s_loaded), alj.LossScaleState)
@@ -288,8 +288,8 @@ def test_checkpoint_mid_run_continues_bitwise(tmp_path):
 
 def test_checkpoint_of_a_scale_state_keeps_every_field(tmp_path):
     st = alj.scale_state(run_scaled(init_params(), TX.init(init_params()), 4)[-1][1])
-    alj.save_state(tmp_path / "s", st)
-    back = alj.load_state(tmp_path / "s", POLICY.init())
+    alj.checkpoint.save_state(tmp_path / "s", st)
+    back = alj.checkpoint.load_state(tmp_path / "s", POLICY.init())
     assert isinstance(back, alj.LossScaleState)
     for field in alj.LossScaleState._fields:
         a, b = getattr(st, field), getattr(back, field)
@@ -323,16 +323,16 @@ def test_checkpoint_of_a_scale_state_keeps_every_field(tmp_path):
 def test_mismatched_checkpoint_is_refused(tmp_path, make_template, where, what):
     params = init_params()
     state = TX.init(params)
-    alj.save_state(tmp_path / "opt", state)
+    alj.checkpoint.save_state(tmp_path / "opt", state)
     template = make_template(params)
     snapshot = jax.tree_util.tree_map(np.asarray, template)
     with pytest.raises(ValueError, match="does not match") as info:
-        alj.load_state(tmp_path / "opt", template)
+        alj.checkpoint.load_state(tmp_path / "opt", template)
     msg = str(info.value)
     assert where in msg and what in msg, msg
     # Nothing was changed: the template and the file are as they were.
     assert tree_equal(jax.tree_util.tree_map(np.asarray, template), snapshot)
-    assert tree_equal(alj.load_state(tmp_path / "opt", TX.init(params)), state)
+    assert tree_equal(alj.checkpoint.load_state(tmp_path / "opt", TX.init(params)), state)
 
 
 def test_gradients_without_their_scale_statistics_are_refused():

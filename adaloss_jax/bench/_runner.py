@@ -200,7 +200,7 @@ class Runner:
             "module_underflow": {m: (k / n if n else 0.0) for m, (n, k) in per_module.items()},
         }
         if self.config.kind == "adaptive":
-            out["group_log2_scales"] = alj.scale_summary(before[2])["log2_group_scales"]
+            out["group_log2_scales"] = alj.diagnostics.scale_summary(before[2])["log2_group_scales"]
         return out
 
     def run(self, seed: int, on_step=None) -> dict[str, Any]:

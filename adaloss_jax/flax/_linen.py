@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -35,21 +36,21 @@ class TrainState(train_state.TrainState):
     scaler=...)``: ``tx`` is wrapped as ``loss_scaled(tx, scaler)`` for a global scaler
     (``adaloss_jax.dynamic()``) and as ``adaptive_scaled(tx, scaler)`` for an adaptive one
     (``adaloss_jax.adaptive(...)``). Pass ``scaler=None`` when ``tx`` already holds an
-    unscale. :func:`train_step` does the whole step.
+    unscale. :func:`linen_train_step` does the whole step.
 
     ``apply_gradients(grads=..., loss=..., scale_stats=...)`` unscales, checks
     finiteness, updates the scale and applies the update only when it is finite; ``step``
-    counts every call, ``loss_scale_state.total_applied`` the applied ones.
+    counts every call, ``scale_state.total_applied`` the applied ones.
 
     Attributes:
       step, apply_fn, params, tx, opt_state: as flax's ``TrainState``; ``opt_state``
-        holds the scaler's state (``loss_scale_state``).
+        holds the scaler's state (``scale_state``).
 
     >>> import jax, jax.numpy as jnp, optax
     >>> import adaloss_jax as alj
     >>> state = TrainState.create(apply_fn=None, params={"w": jnp.zeros(2)},
     ...                           tx=optax.sgd(0.1), scaler=alj.dynamic(initial_scale=8.0))
-    >>> float(state.loss_scale_state.loss_scale)
+    >>> float(state.scale_state.loss_scale)
     8.0
     """
 
@@ -63,9 +64,15 @@ class TrainState(train_state.TrainState):
         return state
 
     @property
-    def loss_scale_state(self):
+    def scale_state(self):
         """The scaler's state (:func:`adaloss_jax.scale_state`)."""
         return _lookup.scale_state(self.opt_state)
+
+    @property
+    def loss_scale_state(self):
+        """Deprecated name of :attr:`scale_state` (until 0.4)."""
+        _deprecated("TrainState.loss_scale_state", "TrainState.scale_state")
+        return self.scale_state
 
     def apply_gradients(self, *, grads, loss=None, scale_stats=None, **kwargs):
         """Applies *scaled* gradients with the ``scale_stats`` the gradient function
@@ -83,7 +90,7 @@ class TrainState(train_state.TrainState):
         )
 
 
-def train_step(
+def linen_train_step(
     state: TrainState,
     loss_fn: Callable[..., Any],
     *args,
@@ -112,12 +119,13 @@ def train_step(
     >>> loss_fn = lambda p, x: jnp.sum((x @ p["w"]) ** 2)
     >>> state = TrainState.create(apply_fn=None, params={"w": jnp.ones((2, 1))},
     ...                           tx=optax.sgd(0.1), scaler=alj.dynamic())
-    >>> state, metrics = jax.jit(lambda s, x: train_step(s, loss_fn, x))(state, jnp.ones((1, 2)))
+    >>> step = jax.jit(lambda s, x: linen_train_step(s, loss_fn, x))
+    >>> state, metrics = step(state, jnp.ones((1, 2)))
     >>> float(metrics["loss"]), bool(metrics["applied"])
     (4.0, True)
     """
-    scale_used = state.loss_scale_state.loss_scale
-    if isinstance(state.loss_scale_state, AdaptiveScaleState):
+    scale_used = state.scale_state.loss_scale
+    if isinstance(state.scale_state, AdaptiveScaleState):
         value, grads, stats = _grad.adaptive_value_and_grad(loss_fn, has_aux=has_aux)(
             state.opt_state, state.params, *args, **kwargs)
     else:
@@ -125,11 +133,16 @@ def train_step(
             state.opt_state, state.params, *args, **kwargs)
     loss, aux = value if has_aux else (value, None)
     state = state.apply_gradients(grads=grads, loss=jnp.asarray(loss), scale_stats=stats)
-    metrics = {"loss": loss, "applied": state.loss_scale_state.last_applied,
+    metrics = {"loss": loss, "applied": state.scale_state.last_applied,
                "loss_scale": scale_used}
     if has_aux:
         metrics["aux"] = aux
     return state, metrics
 
 
-__all__ = ["TrainState", "train_step"]
+def _deprecated(old: str, new: str) -> None:
+    warnings.warn(f"adaloss_jax: {old} is deprecated and goes in 0.4; use {new}",
+                  DeprecationWarning, stacklevel=3)
+
+
+__all__ = ["TrainState", "linen_train_step"]

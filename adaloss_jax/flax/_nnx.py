@@ -74,7 +74,7 @@ def nnx_train_step(
       has_aux: whether ``loss_fn`` returns ``(loss, aux)``.
 
     Returns:
-      Metrics as :func:`adaloss_jax.flax.train_step` returns them.
+      Metrics as :func:`adaloss_jax.flax.linen_train_step` returns them.
 
     >>> import jax.numpy as jnp, optax
     >>> from flax import nnx

@@ -98,7 +98,7 @@ def loss_scale_of(scale: Any) -> jax.Array:
     if isinstance(state, AdaptiveScaleState) and len(state.groups) > 1:
         raise TypeError(
             "scale is the state of an adaptive scaler whose groups each have their own "
-            "scale; measure them with adaloss_jax.scale_table(opt_state), or pass one "
+            "scale; measure them with adaloss_jax.diagnostics.scale_table(opt_state), or pass one "
             "number, e.g. scale=state.loss_scale for the root's")
     return state.loss_scale
 
@@ -185,7 +185,7 @@ class Probe:
     returns the same numbers as device arrays (for use inside your own ``jit``).
 
     Attributes:
-      fmt: the :class:`~adaloss_jax.FloatFormat` the statistics refer to.
+      fmt: the :class:`~adaloss_jax.formats.FloatFormat` the statistics refer to.
 
     >>> probe = make_probe(lambda x: ProbeGrads({"w": x}, {}),
     ...                    lambda x: ProbeGrads({"w": x.astype(jnp.float16)}, {}))

@@ -2,13 +2,9 @@
 
 from adaloss_jax import checkpoint, diagnostics, formats
 from adaloss_jax._adaptive import adaptive_scaled, adaptive_unscale
+from adaloss_jax._adaptive_scaler import AdaptiveScale, adaptive
 from adaloss_jax._common import LossScaleState, all_finite, select_tree
-from adaloss_jax._config import AdaptiveScale, adaptive
-from adaloss_jax._grad import adaptive_value_and_grad
-from adaloss_jax._groups import param_groups
-from adaloss_jax._layout import GroupVector
-from adaloss_jax._lookup import scale_state
-from adaloss_jax._policies import (
+from adaloss_jax._global_scalers import (
     DynamicLossScale,
     GlobalScaler,
     NoLossScale,
@@ -17,16 +13,20 @@ from adaloss_jax._policies import (
     no_scaling,
     static,
 )
-from adaloss_jax._record import scale_group
-from adaloss_jax._skip import SkipNonFiniteState, skip_nonfinite
-from adaloss_jax._state import AdaptiveScaleState, ScaleStats
-from adaloss_jax._transforms import (
+from adaloss_jax._global_transforms import (
     LossScaleStats,
     loss_scaled,
     scale_loss,
     unscale,
     value_and_grad,
 )
+from adaloss_jax._grad import adaptive_value_and_grad
+from adaloss_jax._groups import param_groups
+from adaloss_jax._layout import GroupVector
+from adaloss_jax._lookup import scale_state
+from adaloss_jax._record import scale_group
+from adaloss_jax._skip import SkipNonFiniteState, skip_nonfinite
+from adaloss_jax._state import AdaptiveScaleState, ScaleStats
 
 # Front ends register the hooks through which their frameworks report module calls (the
 # core imports no framework); linen's is registered here when flax is installed.

@@ -13,14 +13,14 @@ import jax.numpy as jnp
 import optax
 
 from adaloss_jax import (
-    _config,
+    _adaptive_scaler,
     _decide,
     _groups,
     _skip,
     _tree,
 )
+from adaloss_jax._adaptive_scaler import AdaptiveScale
 from adaloss_jax._common import check_fingerprint
-from adaloss_jax._config import AdaptiveScale
 from adaloss_jax._state import (
     AdaptiveScaleState,
     Health,
@@ -56,7 +56,8 @@ def _check_update(state: AdaptiveScaleState, scaler: AdaptiveScale, updates,
             "TrainState use adaloss_jax.flax.TrainState and linen_train_step")
     if state.scaler != scaler:
         raise ValueError(OTHER_SCALER.format(
-            diff=_config.differences(scaler, state.scaler, names=("transformation", "state"))))
+            diff=_adaptive_scaler.differences(scaler, state.scaler,
+                                              names=("transformation", "state"))))
     check_fingerprint(state.fingerprint, updates, "the gradients",
                       "pass the gradients of the parameters tx.init was called with, or "
                       "re-run tx.init(params) for this model")
@@ -69,7 +70,7 @@ def _check_update(state: AdaptiveScaleState, scaler: AdaptiveScale, updates,
         diff = [] if groups == state.groups else [
             f"groups {_short(groups)} (statistics) vs {_short(state.groups)} (state)"]
         if other != state.scaler:
-            diff.append(_config.differences(other, state.scaler,
+            diff.append(_adaptive_scaler.differences(other, state.scaler,
                                             names=("statistics", "state")))
         raise ValueError(OTHER_STATE.format(diff="; ".join(diff)))
     unknown = sorted(set(stats.log2_scales) - set(state.groups), key=_tree.natural)

@@ -434,7 +434,7 @@ def anchor_scales(log2, pairs: Sequence[tuple], used) -> tuple[dict, dict]:
     Anchors that vary by layer (:class:`~adaloss_jax._stream.Steps`) get a vector over
     the layers, gathered from ``used`` at once (a gather and a min, whatever the depth).
 
-    A set's min is computed once (:func:`~adaloss_jax._transforms.min_once`) from the
+    A set's min is computed once (:func:`~adaloss_jax._global_transforms.min_once`) from the
     largest smaller set already computed inside it and the groups it adds: along a
     residual stream the anchor sets grow by a block's groups per layer, so each layer's
     min has the same shape (compiled once) instead of a chain over every group below it.

@@ -11,7 +11,7 @@ import jax
 import numpy as np
 
 from adaloss_jax import _formats, _grad, _groups, _tree
-from adaloss_jax._config import AdaptiveScale
+from adaloss_jax._adaptive_scaler import AdaptiveScale
 from adaloss_jax.numerics import _stats, _table
 
 

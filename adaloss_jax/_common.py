@@ -1,10 +1,12 @@
 """The floor both scaler families stand on: step counters, notices, XLA helpers and the
 parameter fingerprint.
 
-The global scalers (``_policies``, ``_transforms``) and the adaptive core (``_config``,
-``_state``, ``_rule``, ``_adaptive`` and what they use) import from here and never from
-each other; what reads either family's state sits above both (``_lookup``,
-``_diagnostics``, ``_checkpoint``). ``tests/test_layering.py`` holds the import graph to
+The global scalers (``_global_scalers``, ``_global_transforms``) and the adaptive core
+(``_adaptive_scaler``, ``_state``, ``_rule``, ``_grad``, ``_adaptive`` and what they use)
+import from the floor (this module, ``_skip``, ``_lookup``, ``_tree``, ``_formats``) and
+never from each other; ``_lookup`` finds either family's state because each registers
+its class, and what reads a state's contents (``_diagnostics``, ``_check``,
+``_checkpoint``) sits above both. ``tests/test_layering.py`` holds the import graph to
 that.
 """
 

@@ -14,7 +14,7 @@ from adaloss_jax import (
     _rule,
     _tree,
 )
-from adaloss_jax._config import AdaptiveScale
+from adaloss_jax._adaptive_scaler import AdaptiveScale
 from adaloss_jax._layout import Layer, layers
 from adaloss_jax._state import (
     AdaptiveScaleState,

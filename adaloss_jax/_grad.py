@@ -28,8 +28,8 @@ from adaloss_jax import (
     _stream,
     _tree,
 )
+from adaloss_jax._adaptive_scaler import AdaptiveScale
 from adaloss_jax._common import check_fingerprint, fingerprint, in_shard_map
-from adaloss_jax._config import AdaptiveScale
 from adaloss_jax._layout import GroupVector, layers, runs
 from adaloss_jax._state import (
     AdaptiveScaleState,

@@ -11,7 +11,7 @@ from adaloss_jax import (
     _record,
     _tree,
 )
-from adaloss_jax._config import AdaptiveScale
+from adaloss_jax._adaptive_scaler import AdaptiveScale
 from adaloss_jax._layout import check_names, layers, order
 from adaloss_jax._tree import ROOT
 

@@ -17,8 +17,8 @@ import jax
 import jax.numpy as jnp
 
 from adaloss_jax import _lookup
+from adaloss_jax._adaptive_scaler import AdaptiveScale
 from adaloss_jax._common import LossScaleState, counters, fingerprint
-from adaloss_jax._config import AdaptiveScale
 from adaloss_jax._layout import GroupVector
 
 

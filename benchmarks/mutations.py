@@ -63,13 +63,13 @@ MUTATIONS = {
         "adaloss_jax/_channel.py",
         "jnp.concatenate([jnp.max(rows[..., :_MAXED], axis=axes),",
         "jnp.concatenate([jnp.sum(rows[..., :_MAXED], axis=axes),",
-        ["tests/test_transformations.py", "tests/test_channel.py"],
+        ["tests/test_jax_transformations.py", "tests/test_channel.py"],
         "a point met in several passes sums its maxima instead of taking their max"),
     "device-reduction-dropped": (
         "adaloss_jax/_channel.py",
         "    if not axes:\n        return row\n    axes = tuple(sorted(axes))",
         "    if True:\n        return row\n    axes = tuple(sorted(axes))",
-        ["tests/test_adaptive_distributed.py", "tests/test_transformations.py"],
+        ["tests/test_adaptive_distributed.py", "tests/test_jax_transformations.py"],
         "statistics under shard_map are not reduced over the devices"),
     "axis-name-ignored": (
         "adaloss_jax/_decide.py",
@@ -81,19 +81,19 @@ MUTATIONS = {
         "adaloss_jax/_decide.py",
         "        out.append(x * inv[g])",
         "        out.append(x * inv[g] * (1.0625 if g == leaf_groups[-1] else 1.0))",
-        ["tests/test_transformations.py"],
+        ["tests/test_jax_transformations.py"],
         "one group's gradients unscaled by a wrong factor"),
     "every-module-gradient-off": (
         "adaloss_jax/_decide.py",
         "        out.append(x * inv[g])",
         "        out.append(x * inv[g] * (1.0625 if g else 1.0))",
-        ["tests/test_transformations.py"],
+        ["tests/test_jax_transformations.py"],
         "every per-module gradient multiplied by 1.0625 (issue 22's Equinox case)"),
     "wrong-ratio": (
         "adaloss_jax/_apply.py",
         "    ratios = {(x, y): scale[x] / scale[y] for x, y in pairs if x != y}",
         "    ratios = {(x, y): scale[x] / scale[y] * 2.0 for x, y in pairs if x != y}",
-        ["tests/test_transformations.py"],
+        ["tests/test_jax_transformations.py"],
         "every conversion by twice the ratio of its two scales"),
     "underscaled-step-applied": (
         "adaloss_jax/_rule.py",
@@ -118,7 +118,7 @@ MUTATIONS = {
         "                passed = {i for i, (kv, _) in enumerate(pairs)\n"
         "                          if self._source(kv) == _PARAMS}",
         "                passed = set()",
-        ["tests/test_transformations.py", "tests/test_stream.py"],
+        ["tests/test_jax_transformations.py", "tests/test_stream.py"],
         "a parameter passed into a group as an argument is measured as a cotangent"),
     "fan-in-unified-wrongly": (
         "adaloss_jax/_stream.py",
@@ -133,7 +133,7 @@ MUTATIONS = {
         ["tests/test_one_liner.py"],
         "an optimizer state built with another scaler is accepted"),
     "same-step-not-the-default": (
-        "adaloss_jax/_config.py",
+        "adaloss_jax/_adaptive_scaler.py",
         '                               self.groups == "module" and self.statistic == "amax")',
         '                               False)',
         ["tests/test_live.py::test_same_step_is_the_default_per_module_with_the_amax_statistic",

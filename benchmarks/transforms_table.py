@@ -13,7 +13,7 @@ framework's own spelling), at the same random per-group scales:
 * ``fp32 err``: the largest relative error of the unscaled gradients against
   ``jax.grad`` of the fp32 loss, under arbitrary per-group scales (exactness).
 
-The models and transformations are those of ``tests/test_transformations.py``.
+The models and transformations are those of ``tests/test_jax_transformations.py``.
 
 Usage::
 
@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
-from test_transformations import (  # noqa: E402
+from test_jax_transformations import (  # noqa: E402
     AROUND,
     FRONT_ENDS,
     INSIDE,

@@ -57,7 +57,7 @@ FULL_SUITE_ONLY = {
     "test_scanned_stacks.py::test_nn_scan_stack_gets_a_scale_per_layer_equal_to_its_python_loop_twin",
     "test_scanned_stacks.py::test_a_stack_scanned_over_otherwise_keeps_one_scale",
     "test_scanned_stacks.py::test_per_example_vmap_around_a_scanned_stack_measures_the_batched_loss",
-    "test_transformations.py::test_transformed_model_measures_what_its_untransformed_twin_measures",
+    "test_jax_transformations.py::test_transformed_model_measures_what_its_untransformed_twin_measures",
     "test_adaptive_distributed.py::test_typed_shard_map_devices_agree_and_equal_one_device[no-axis_name]",
     "test_adaptive_distributed.py::test_spmd_jit_sharded_batch_equals_single_device",
     "test_adaptive_distributed.py::test_untyped_shard_map_devices_agree_only_with_axis_name",
@@ -82,7 +82,7 @@ FULL_SUITE_ONLY = {
     "test_frontend_sharding.py::test_sharded_batch_gives_the_single_device_scales[equinox]",
     "test_orbax.py::test_checkpoint_manager_round_trip_resumes_bit_identically",
     "test_numerics.py::test_taps_inside_an_adaptive_gradient_see_each_call_once",
-    "test_transforms.py::test_twin_run_matches_control_that_skips_explicitly",
+    "test_global_transforms.py::test_twin_run_matches_control_that_skips_explicitly",
     "test_scanned_stacks.py::test_scanned_stack_scales_each_layer_like_its_unrolled_twin_in_fp16",
     "test_adaptive.py::test_models_applied_to_sub_trees_of_the_parameters_get_their_own_groups",
     "test_adaptive.py::test_simulated_e5m2_cotangents_scaled_beat_unscaled[global-False]",
@@ -90,7 +90,7 @@ FULL_SUITE_ONLY = {
     "test_adaptive.py::test_module_called_inside_and_outside_lifted_transforms[global]",
     "test_adaptive.py::test_fp32_model_exact_under_arbitrary_per_group_scales[recurrent_cell]",
     "test_parity.py::test_real_gradients_same_scales_and_skips_as_flax[4]",
-    "test_transformations.py::test_per_example_vmap_at_batch_256_measures_the_batched_amax"
+    "test_jax_transformations.py::test_per_example_vmap_at_batch_256_measures_the_batched_amax"
     "[global]",
     "test_misuse.py::test_an_adaptive_scaler_on_a_wide_model_turns_itself_off[float32]",
     "test_misuse.py::test_gradients_not_those_of_the_statistics_raise_a_health_flag"
@@ -110,7 +110,7 @@ FULL_SUITE_ONLY = {
     "test_bench.py::test_fp8_peers_refuse_a_model_without_fp8_layers[fp8-flax]",
     "test_bench.py::test_new_fp8_peers_quantize_a_scanned_stack_like_its_unrolled_twin"
     "[fp8-mxfp8]",
-    "test_transformations.py::test_fp32_gradients_exact_under_arbitrary_per_group_scales",
+    "test_jax_transformations.py::test_fp32_gradients_exact_under_arbitrary_per_group_scales",
     "test_flax_free_core.py::test_core_imports_and_trains_without_flax",
     # same-step scales in stacks: the forward and reversed chain stay in the fast tier,
     # with the analysis's hand-written cases and the plain and vmapped loss

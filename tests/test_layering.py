@@ -13,10 +13,9 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "adaloss_jax"
 
 FLOOR = {"_common", "_formats", "_lookup", "_skip", "_tree", "_validation"}
-GLOBAL = {"_policies", "_transforms"}
-ADAPTIVE = {"_adaptive", "_apply", "_channel", "_config", "_decide", "_grad", "_groups", "_jaxpr",
-            "_layout", "_live", "_record",
-            "_rule", "_state", "_stream", "_swap"}
+GLOBAL = {"_global_scalers", "_global_transforms"}
+ADAPTIVE = {"_adaptive", "_adaptive_scaler", "_apply", "_channel", "_decide", "_grad", "_groups",
+            "_jaxpr", "_layout", "_live", "_record", "_rule", "_state", "_stream", "_swap"}
 ABOVE = {"_check", "_checkpoint", "_diagnostics"}
 
 

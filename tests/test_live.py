@@ -19,10 +19,7 @@ from hypothesis import strategies as st
 from jax.sharding import NamedSharding
 from jax.sharding import PartitionSpec as P
 from test_adaptive import CASES, _grads_through, _setup
-from test_scanned_stacks import _check_twin
-from test_scanned_stacks import _losses as _stack_losses
-from test_scanned_stacks import _params as _stack_params
-from test_transformations import (
+from test_jax_transformations import (
     AROUND,
     FRONT_ENDS,
     INSIDE,
@@ -30,6 +27,9 @@ from test_transformations import (
     build,
     unscaled_through_optimizer,
 )
+from test_scanned_stacks import _check_twin
+from test_scanned_stacks import _losses as _stack_losses
+from test_scanned_stacks import _params as _stack_params
 
 import adaloss_jax as alj
 from adaloss_jax import _live

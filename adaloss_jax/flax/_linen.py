@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from adaloss_jax import _adaptive, _grad, _lookup, _transforms
-from adaloss_jax._config import AdaptiveScale
+from adaloss_jax import _adaptive, _global_transforms, _grad, _lookup
+from adaloss_jax._adaptive_scaler import AdaptiveScale
 from adaloss_jax._state import AdaptiveScaleState
 
 
@@ -21,7 +21,7 @@ def scaled_tx(tx: optax.GradientTransformation, scaler, axis_name) -> optax.Grad
     if isinstance(scaler, AdaptiveScale):
         return _adaptive.adaptive_scaled(tx, scaler, axis_name=axis_name)
     if scaler is not None:
-        return _transforms.loss_scaled(tx, scaler, axis_name=axis_name)
+        return _global_transforms.loss_scaled(tx, scaler, axis_name=axis_name)
     if axis_name is not None:
         raise ValueError(
             "axis_name is only used together with scaler=...; when tx already contains "
@@ -129,7 +129,7 @@ def linen_train_step(
         value, grads, stats = _grad.adaptive_value_and_grad(loss_fn, has_aux=has_aux)(
             state.opt_state, state.params, *args, **kwargs)
     else:
-        value, grads, stats = _transforms.value_and_grad(loss_fn, has_aux=has_aux)(
+        value, grads, stats = _global_transforms.value_and_grad(loss_fn, has_aux=has_aux)(
             state.opt_state, state.params, *args, **kwargs)
     loss, aux = value if has_aux else (value, None)
     state = state.apply_gradients(grads=grads, loss=jnp.asarray(loss), scale_stats=stats)

@@ -9,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax import nnx
 
-from adaloss_jax import _lookup, _transforms
+from adaloss_jax import _global_transforms, _lookup
 from adaloss_jax._state import AdaptiveScaleState
 from adaloss_jax.flax._linen import scaled_tx
 from adaloss_jax.flax._nnx_adaptive import nnx_adaptive_value_and_grad
@@ -102,7 +102,7 @@ def nnx_train_step(
                                      has_aux=True)
         (_, (loss, aux)), grads = grad_fn(model)
         optimizer.update(model, grads, loss=jnp.asarray(loss),
-                         scale_stats=_transforms.LossScaleStats(loss_scale=scale_used))
+                         scale_stats=_global_transforms.LossScaleStats(loss_scale=scale_used))
     metrics = {"loss": loss, "applied": _lookup.scale_state(optimizer).last_applied,
                "loss_scale": scale_used}
     if has_aux:

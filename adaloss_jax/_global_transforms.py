@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import optax
 
-from adaloss_jax import _lookup, _policies
+from adaloss_jax import _global_scalers, _lookup
 from adaloss_jax._common import LossScaleState, all_finite, to_fp32
 from adaloss_jax._skip import signal_skip, skip_nonfinite
 
@@ -53,7 +53,7 @@ class LossScaleStats(NamedTuple):
 
 
 def unscale(
-    scaler: _policies.GlobalScaler, *, axis_name: str | None = None
+    scaler: _global_scalers.GlobalScaler, *, axis_name: str | None = None
 ) -> optax.GradientTransformationExtraArgs:
     """Unscales gradients, checks finiteness and updates the loss scale.
 
@@ -90,7 +90,7 @@ def unscale(
         unscaled loss).
 
     >>> import optax
-    >>> tx = optax.chain(unscale(_policies.static(4.0)), skip_nonfinite(optax.sgd(1.0)))
+    >>> tx = optax.chain(unscale(_global_scalers.static(4.0)), skip_nonfinite(optax.sgd(1.0)))
     >>> state = tx.init({"w": jnp.zeros(2)})
     >>> stats = LossScaleStats(loss_scale=jnp.float32(4.0))
     >>> updates, state = tx.update({"w": jnp.array([4.0, 8.0])}, state, loss=jnp.array(1.0),
@@ -98,7 +98,7 @@ def unscale(
     >>> updates["w"].tolist(), bool(_lookup.scale_state(state).last_applied)
     ([-1.0, -2.0], True)
     """
-    if not isinstance(scaler, _policies.GlobalScaler):
+    if not isinstance(scaler, _global_scalers.GlobalScaler):
         raise TypeError(
             f"scaler must be a global scaler from adaloss_jax.dynamic(), static() or "
             f"no_scaling(), got {scaler!r} of type {type(scaler).__name__} (an "
@@ -134,7 +134,7 @@ def unscale(
 
 def loss_scaled(
     inner: optax.GradientTransformation,
-    scaler: _policies.GlobalScaler,
+    scaler: _global_scalers.GlobalScaler,
     *,
     axis_name: str | None = None,
 ) -> optax.GradientTransformationExtraArgs:
@@ -150,7 +150,7 @@ def loss_scaled(
       An ``optax.GradientTransformationExtraArgs``; use it with :func:`value_and_grad`.
 
     >>> import optax
-    >>> tx = loss_scaled(optax.sgd(0.5), _policies.dynamic(initial_scale=2.0**10))
+    >>> tx = loss_scaled(optax.sgd(0.5), _global_scalers.dynamic(initial_scale=2.0**10))
     >>> float(_lookup.scale_state(tx.init({"w": jnp.zeros(2)})).loss_scale)
     1024.0
     """
@@ -170,7 +170,7 @@ def scale_loss(loss: jax.Array, opt_state: Any) -> jax.Array:
       .loss_scale)`` to ``tx.update`` with its gradients.
 
     >>> import optax
-    >>> state = loss_scaled(optax.sgd(0.1), _policies.static(8.0)).init({"w": jnp.zeros(2)})
+    >>> state = loss_scaled(optax.sgd(0.1), _global_scalers.static(8.0)).init({"w": jnp.zeros(2)})
     >>> float(scale_loss(jnp.float16(0.5), state))
     4.0
     """
@@ -200,7 +200,7 @@ def value_and_grad(
         :func:`adaloss_jax.adaptive_value_and_grad` computes.
 
     >>> import optax
-    >>> tx = loss_scaled(optax.sgd(1.0), _policies.static(4.0))
+    >>> tx = loss_scaled(optax.sgd(1.0), _global_scalers.static(4.0))
     >>> params = {"w": jnp.ones(2)}
     >>> state = tx.init(params)
     >>> loss, grads, stats = value_and_grad(lambda p: jnp.sum(p["w"] ** 2))(state, params)

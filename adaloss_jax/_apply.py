@@ -28,9 +28,10 @@ import jax
 import jax.extend.core as jcore
 import jax.numpy as jnp
 
-from adaloss_jax import _channel, _formats, _jaxpr, _live
+from adaloss_jax import _channel, _formats, _jaxpr, _live, _stream
 from adaloss_jax._common import min_once
-from adaloss_jax._layout import layers
+from adaloss_jax._layout import GroupVector, layers
+from adaloss_jax._state import ScaleStats
 from adaloss_jax._stream import Plan, Steps
 
 
@@ -165,6 +166,31 @@ class Program:
     def sites(self) -> list[Site]:
         """Every row of the program, in the order :meth:`evaluate` takes their dummies."""
         return self._sites_of(self.closed.jaxpr)
+
+    def dummies(self) -> list[jax.Array]:
+        """The zero inputs :meth:`evaluate` takes for its statistics rows: their
+        cotangents are the rows (one per site, a row per layer along a stacked axis)."""
+        return [jnp.zeros((*s.lead, self.columns.width), jnp.float32) for s in self.sites()]
+
+    def decode(self, rows: Sequence[jax.Array], used: GroupVector,
+               planned: GroupVector | None = None) -> ScaleStats:
+        """The rows of one backward pass (the cotangents of :meth:`dummies`) as per-group
+        statistics, a stack's rows per layer; ``used``: the scale each group's gradients
+        were computed at, ``planned``: the scales the plan set (they differ for the live
+        regions; a fan-in's scale is the min of its anchors' planned ones)."""
+        specs, values = [], []
+        for r, s in zip(rows, self.sites()):
+            axes = [a for a in range(len(s.lead)) if a != s.layer_axis]
+            values.append(_channel.reduce_rows(r, axes))
+            specs += ([s.row] if s.layer_axis is None else  # a row per layer
+                      [_channel.Row(_stream.at(s.row.y, i), _stream.at(s.row.x, i), s.row.y_max,
+                                    s.row.x_max)
+                       for i in range(s.lead[s.layer_axis])])
+        fmt = self.scaler.format
+        return _channel.decode(specs, values, used, self.columns, fmt.max,
+                               planned=planned if self.live.groups else None,
+                               fmt_min=fmt.min_subnormal if self.scaler.groups == "global"
+                               else None)  # (only one global scale reads ``flushed``)
 
     def pairs(self) -> list[tuple]:
         """Every ``(x anchors, y anchors)`` pair a conversion or a row refers to, sorted

@@ -18,7 +18,6 @@ import jax.numpy as jnp
 
 from adaloss_jax import (
     _apply,
-    _channel,
     _common,
     _decide,
     _formats,
@@ -225,7 +224,6 @@ def adaptive_value_and_grad(
                 f"tx.init on the parameters this loss is given, after the functions are "
                 f"marked with adaloss_jax.scale_group (the state's groups are formed from "
                 f"the names marked by then)")
-        sites = program.sites()
         rest = rec.dynamic[rec.n_params:]
         treedef = jax.tree_util.tree_structure(params)
 
@@ -235,8 +233,7 @@ def adaptive_value_and_grad(
             used = _in_use(scales, groups)
             log2 = _Scales(scales)
             sigma, ratios = _apply.anchor_scales(log2, program.pairs(), used)
-            dummies = [jnp.zeros((*s.lead, program.columns.width), jnp.float32)
-                       for s in sites]
+            dummies = program.dummies()
             live = program.live.groups if prior is not None else ()
             chosen = {g: jnp.zeros((), jnp.float32) for g in live}
 
@@ -261,7 +258,7 @@ def adaptive_value_and_grad(
                 # leaves its region at the plan)
                 actual = GroupVector(groups, [prior.log2_scales[g] + chosen[g] if g in chosen
                                               else used[g] for g in groups], split=True)
-            return value, grads, _decode(program, sites, rows, actual, scaler, used)
+            return value, grads, program.decode(rows, actual, planned=used)
 
         if scaler.same_step and not program.live.groups and len(groups) > 1:
             _common.notice_once("same-step-none", SAME_STEP_NONE)
@@ -289,25 +286,6 @@ def _limits(prior: AdaptiveScaleState, g: str) -> jax.Array:
     measured = (prior.log2_amax[g] > -jnp.inf) | prior.overflowed[g]
     return jnp.stack([jnp.ceil(prior.headroom[g]), jnp.where(measured, planned, jnp.inf),
                       planned]).astype(jnp.float32)
-
-
-def _decode(program: _apply.Program, sites, rows, used: GroupVector,
-            scaler: AdaptiveScale, planned: GroupVector | None = None) -> ScaleStats:
-    """The rows of one backward pass as per-group statistics (a stack's rows per layer);
-    ``used``: the scale each group's gradients were computed at, ``planned``: the
-    scales the plan set (they differ for the live regions; a fan-in's scale is the
-    min of its anchors' planned ones)."""
-    specs, values = [], []
-    for r, s in zip(rows, sites):
-        axes = [a for a in range(len(s.lead)) if a != s.layer_axis]
-        values.append(_channel.reduce_rows(r, axes))
-        specs += ([s.row] if s.layer_axis is None else  # a row per layer
-                  [_channel.Row(_stream.at(s.row.y, i), _stream.at(s.row.x, i),
-                                s.row.y_max, s.row.x_max) for i in range(s.lead[s.layer_axis])])
-    return _channel.decode(specs, values, used, program.columns, scaler.format.max,
-                           planned=planned if program.live.groups else None,
-                           fmt_min=scaler.format.min_subnormal if scaler.groups == "global"
-                           else None)  # (only one global scale reads ``flushed``)
 
 
 def _unscaled(attempt: Callable, state: AdaptiveScaleState):

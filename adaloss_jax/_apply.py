@@ -455,12 +455,12 @@ def anchor_scales(log2, pairs: Sequence[tuple], used) -> tuple[dict, dict]:
     """The log2 scale of every anchor set (the min over it) and the ratio ``S_x / S_y`` of
     every converting ``(x, y)`` pair, built once per step outside the model.
     ``log2[g]``: a group's log2 scale; ``used``: every group's, a
-    :class:`~adaloss_jax._state.GroupVector` (a stack's slots as one vector).
+    :class:`~adaloss_jax._layout.GroupVector` (a stack's slots as one vector).
 
     Anchors that vary by layer (:class:`~adaloss_jax._stream.Steps`) get a vector over
     the layers, gathered from ``used`` at once (a gather and a min, whatever the depth).
 
-    A set's min is computed once (:func:`~adaloss_jax._global_transforms.min_once`) from the
+    A set's min is computed once (:func:`~adaloss_jax._common.min_once`) from the
     largest smaller set already computed inside it and the groups it adds: along a
     residual stream the anchor sets grow by a block's groups per layer, so each layer's
     min has the same shape (compiled once) instead of a chain over every group below it.

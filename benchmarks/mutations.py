@@ -136,7 +136,7 @@ MUTATIONS = {
         "adaloss_jax/_adaptive_scaler.py",
         '                               self.groups == "module" and self.statistic == "amax")',
         '                               False)',
-        ["tests/test_live.py::test_same_step_is_the_default_per_module_with_the_amax_statistic",
+        ["tests/test_adaptive_scaler.py::test_same_step_is_the_default_per_module_with_the_amax_statistic",
          "tests/test_adaptive.py::test_simulated_e5m2_cotangents_scaled_beat_unscaled"],
         "per module, the scales are the rule's unless same_step=True is passed"),
     "bench-run-key-ignores-options": (

@@ -35,7 +35,6 @@ import adaloss_jax as alj
 from adaloss_jax import _live
 from adaloss_jax._layout import Layer, layers
 from adaloss_jax._stream import Steps
-from adaloss_jax.bench import _configs as _bench_configs
 
 SLOW = pytest.mark.slow
 
@@ -468,27 +467,6 @@ def test_same_step_off_keeps_the_prior_scales():
                                  {"": 3, "d1": -20, "d2": 30})
     _, _, stats = step(state, params, jnp.asarray(_X), _Y)
     assert float(stats.log2_scales["d1"]) == -20.0
-
-
-def test_same_step_is_the_default_per_module_with_the_amax_statistic():
-    assert alj.adaptive(groups="module").same_step is True
-    assert alj.adaptive(groups="module", grad_dtype="float8_e4m3fn").same_step is True
-    assert alj.adaptive().same_step is False  # one global scale: nothing to choose per module
-    assert alj.adaptive(groups="module", statistic="gaussian").same_step is False
-    assert alj.adaptive(groups="module", same_step=False).same_step is False
-    assert alj.adaptive(groups="module") == alj.adaptive(groups="module", same_step=True)
-    specs = {c: _bench_configs.CONFIGS[c].spec() for c in ("e4m3-module", "e4m3-delayed")}
-    assert "same_step=True" in specs["e4m3-module"]  # bench results keyed by it
-    assert "same_step=False" in specs["e4m3-delayed"]
-
-
-def test_same_step_needs_module_groups_and_the_amax_statistic():
-    with pytest.raises(ValueError, match="needs groups='module' and statistic='amax'"):
-        alj.adaptive(same_step=True)
-    with pytest.raises(ValueError, match="needs groups='module' and statistic='amax'"):
-        alj.adaptive(groups="module", statistic="gaussian", same_step=True)
-    with pytest.raises(TypeError, match="same_step must be True or False"):
-        alj.adaptive(groups="module", same_step=1)
 
 
 # ------------------------------------------------------------- exact against fp32

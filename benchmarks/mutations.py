@@ -145,6 +145,24 @@ MUTATIONS = {
         '            row["settings"], "")',
         ["tests/test_bench.py::test_cli_end_to_end_and_resume"],
         "a stored bench run made under other options (an older default) is reused"),
+    "families-import-each-other": (
+        "adaloss_jax/_global_transforms.py",
+        "from adaloss_jax import _global_scalers, _lookup",
+        "from adaloss_jax import _global_scalers, _lookup, _state  # noqa: F401",
+        ["tests/test_layering.py"],
+        "the global transformations import the adaptive state again"),
+    "layer-runs-skip-a-layer": (
+        "adaloss_jax/_layout.py",
+        "and slots[j].group == first.group and slots[j].index == j - i):",
+        "and slots[j].group == first.group):",
+        ["tests/test_layout.py"],
+        "a stack missing a layer is stored as one run (each layer reads its neighbour's)"),
+    "adaptive-state-not-registered": (
+        "adaloss_jax/_state.py",
+        '_lookup.register(AdaptiveScaleState, unscale="adaptive_unscale", scaled="adaptive_scaled")',
+        "",
+        ["tests/test_layering.py", "tests/test_state.py"],
+        "scale_state cannot find an adaptive state"),
 }
 
 

@@ -159,7 +159,8 @@ MUTATIONS = {
         "a stack missing a layer is stored as one run (each layer reads its neighbour's)"),
     "adaptive-state-not-registered": (
         "adaloss_jax/_state.py",
-        '_lookup.register(AdaptiveScaleState, unscale="adaptive_unscale", scaled="adaptive_scaled")',
+        '_lookup.register(AdaptiveScaleState, unscale="adaptive_unscale", '
+        'scaled="adaptive_scaled")',
         "",
         ["tests/test_layering.py", "tests/test_state.py"],
         "scale_state cannot find an adaptive state"),

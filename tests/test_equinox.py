@@ -4,6 +4,7 @@ tests), including stacked layers run by ``jax.lax.scan`` and a module applied tw
 
 from __future__ import annotations
 
+import _graph
 import equinox as eqx
 import jax
 import jax.numpy as jnp
@@ -56,27 +57,18 @@ class Net(eqx.Module):
         self.ops, self.dtype = tuple(ops), dtype
 
     def __call__(self, tokens):
-        x = self.embed[tokens].astype(self.dtype)
-        for op, layer in zip(self.ops, self.layers):
-            if op == "dense":
-                x = layer(x)
-            elif op == "residual":
-                x = x + layer(x, gate=0.5)
-            elif op == "reuse":
-                x = self.shared(x, gate=0.5) + self.shared(x * 0.25, gate=2.0) + layer(x)
-            elif op == "concat":
-                x = layer(jnp.concatenate([x, jnp.tanh(x)], axis=-1))
-            elif op == "scan":
-                params, static = eqx.partition(self.stack, eqx.is_array)
+        def scan(_, x):
+            params, static = eqx.partition(self.stack, eqx.is_array)
+            return jax.lax.scan(lambda c, p: (c + eqx.combine(p, static)(c), None), x,
+                                params)[0]
 
-                def body(c, p, static=static):
-                    return c + eqx.combine(p, static)(c), None
-
-                x, _ = jax.lax.scan(body, x, params)
+        x = _graph.run(self.ops, self.embed[tokens].astype(self.dtype),
+                       layer=lambda i, x, gate=1.0: self.layers[i](x, gate=gate),
+                       shared=self.shared, scan=scan)
         return self.head(x) * 4.0
 
 
-OPS = ("dense", "residual", "reuse", "concat", "scan")
+OPS = _graph.OPS
 
 
 def _loss(tiny):

@@ -6,6 +6,7 @@ concatenation, a tied embedding read by the head, stacked layers under ``lax.sca
 
 from __future__ import annotations
 
+import _graph
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -20,7 +21,7 @@ import adaloss_jax as alj
 pytestmark = pytest.mark.slow  # the full suite only (CI)
 
 W, V, T, B = 8, 16, 6, 4
-OPS = ("dense", "residual", "reuse", "concat", "scan")
+OPS = _graph.OPS
 
 
 def _dense(p, x, *, gate=1.0):
@@ -47,21 +48,12 @@ def _model(ops, dtype):
     head = alj.scale_group("embed")(lambda p, x: x @ p["table"].astype(dtype).T)  # tied
 
     def apply(params, tokens):
-        x = embed(params["embed"], tokens)
-        for i, op in enumerate(ops):
-            p, f = params[f"layer{i}"], groups[f"layer{i}"]
-            if op == "dense":
-                x = f(p, x)
-            elif op == "residual":
-                x = x + f(p, x, gate=0.5)
-            elif op == "reuse":
-                s = groups["shared"]
-                x = s(params["shared"], x, gate=0.5) + s(params["shared"], x * 0.25, gate=2.0)
-            elif op == "concat":
-                x = f(p, jnp.concatenate([x, jnp.tanh(x)], axis=-1))
-            elif op == "scan":
-                x, _ = jax.lax.scan(lambda c, q: (c + groups["stack"](q, c), None), x,
-                                    params["stack"])
+        x = _graph.run(
+            ops, embed(params["embed"], tokens),
+            layer=lambda i, x, gate=1.0: groups[f"layer{i}"](params[f"layer{i}"], x, gate=gate),
+            shared=lambda x, gate: groups["shared"](params["shared"], x, gate=gate),
+            scan=lambda _, x: jax.lax.scan(lambda c, q: (c + groups["stack"](q, c), None), x,
+                                        params["stack"])[0])
         return head(params["embed"], x) * 4.0
 
     return apply

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 from unittest import mock
 
+import _graph
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -318,24 +319,15 @@ def _nnx_model(ops, tied, dtype):
         def __call__(self, tokens):
             x = self.embed(tokens)
             memory = self.memory(x)
-            for op, layer in zip(ops, self.layers):
-                if op == "dense":
-                    x = layer(x)
-                elif op == "residual":
-                    x = x + layer(x, gate=0.5)
-                elif op == "reuse":
-                    x = self.shared(x, gate=0.5) + self.shared(x * 0.25, gate=2.0) + layer(x)
-                elif op == "concat":
-                    x = layer(jnp.concatenate([x, jnp.tanh(x)], axis=-1))
-                elif op == "cross":
+
+            def other(op, i, x):
+                layer = self.layers[i]
+                if op == "cross":
                     q, k, v = layer[0](x), layer[1](memory), layer[2](memory)
                     a = jax.nn.softmax((q @ jnp.swapaxes(k, -1, -2)).astype(jnp.float32))
                     x = x + a.astype(dtype) @ v
                 elif op == "bn":
                     x = layer(x.reshape(-1, W)).reshape(x.shape)
-                elif op == "scan":
-                    x = nnx.scan(lambda c, m: c + m(c), in_axes=(nnx.Carry, 0),
-                                 out_axes=nnx.Carry)(x, layer)
                 elif op == "remat":
                     x = nnx.remat(lambda m, x: x + m(x, gate=0.5))(layer, x)
                 elif op == "dict":  # a module returning a dict holding a tuple
@@ -343,6 +335,14 @@ def _nnx_model(ops, tied, dtype):
                     x = out["a"] + out["b"][0] * out["b"][1]
                 else:
                     x = layer(x)
+                return x
+
+            def scan(i, x):
+                return nnx.scan(lambda c, m: c + m(c), in_axes=(nnx.Carry, 0),
+                                out_axes=nnx.Carry)(x, self.layers[i])
+
+            x = _graph.run(ops, x, layer=lambda i, x, gate=1.0: self.layers[i](x, gate=gate),
+                           shared=self.shared, scan=scan, other=other)
             return self.embed.attend(x) if tied else self.head(x)
 
     return Net(nnx.Rngs(0))

@@ -135,7 +135,7 @@ def adaptive_unscale(
             verdict = dict(scale_stats.verdict)
             retries = _decide.over_devices(verdict.pop("retries"), jax.lax.pmax, axis_name)
             state = state.replace(**verdict, total_retries=state.total_retries + retries)
-        updates, received = _decide.unscale(updates, scale_stats, scaler, state)
+        updates, received = _decide.unscale(updates, scale_stats, state)
         if scale_stats.grad_amax is not None:
             foreign = _decide.foreign(received, scale_stats.grad_amax, _decide.bound(axis_name))
             state = state.replace(

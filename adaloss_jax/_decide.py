@@ -14,7 +14,6 @@ from adaloss_jax import (
     _rule,
     _tree,
 )
-from adaloss_jax._adaptive_scaler import AdaptiveScale
 from adaloss_jax._layout import Layer, layers
 from adaloss_jax._state import (
     AdaptiveScaleState,
@@ -22,14 +21,14 @@ from adaloss_jax._state import (
 )
 
 
-def unscale(updates, stats: ScaleStats, scaler: AdaptiveScale, state: AdaptiveScaleState):
+def unscale(updates, stats: ScaleStats, state: AdaptiveScaleState):
     """Each leaf in fp32 divided by its group's scale (a stack of layers: each slice by
     its layer's), and each state group's largest gradient magnitude at that scale (inf
     where a gradient is not finite)."""
     active = set(stats.log2_scales.names)
     stacked = {s.group for s in active if isinstance(s, Layer)}
     leaves, treedef = jax.tree_util.tree_flatten(updates)
-    leaf_groups = [_groups.leaf_group(p, active | stacked, scaler)
+    leaf_groups = [_groups.leaf_group(p, active | stacked, state.scaler)
                    for p in _tree.leaf_paths(updates)]
     inv = {g: _formats.pow2(-(stats.log2_scales.stacked(g) if g in stacked
                               else stats.log2_scales[g]))
@@ -77,7 +76,7 @@ def verdict(state: AdaptiveScaleState, grads, stats: ScaleStats, loss,
              axis_name) -> tuple[AdaptiveScaleState, jax.Array]:
     """The rule's next state for one pass (its gradients and statistics), and each state
     group's largest gradient magnitude at its scale on this device."""
-    _, p_amax = unscale(grads, stats, state.scaler, state)
+    _, p_amax = unscale(grads, stats, state)
     return _rule.adjust(state, measured(state, stats, p_amax, loss, axis_name)), p_amax
 
 

@@ -269,8 +269,8 @@ def adaptive_value_and_grad(
         else:
             (loss, aux), grads, stats = attempt(state.log2_scales, state)
         if stats.grad_amax is None:  # (the retry loop measured it for its verdict)
-            stats = dataclasses.replace(stats, grad_amax=_decide.unscale(grads, stats, scaler,
-                                                                  state)[1])
+            stats = dataclasses.replace(stats, grad_amax=_decide.unscale(grads, stats,
+                                                                         state)[1])
         stats = dataclasses.replace(stats, fingerprint=fingerprint(params),
                                     origin=(state.groups, scaler))
         return ((loss, aux) if has_aux else loss), grads, stats

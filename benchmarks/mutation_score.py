@@ -38,7 +38,7 @@ SAMPLE = 100
 
 # name: (a line of the mutant's diff, why no test can tell it from the original)
 EQUIVALENT: dict[str, tuple[str, str]] = {
-    "adaloss_jax._global_transforms.x_all_finite__mutmut_13": (
+    "adaloss_jax._common.x_all_finite__mutmut_13": (
         "+        ok = jax.lax.pmin(ok.astype(None), axis_name) > 0",
         "astype(None) makes the bool a float32 0.0/1.0; its pmin is > 0 exactly when "
         "the int32 one is"),

@@ -39,6 +39,14 @@ OTHER_STATE = (
     "scale_stats=stats)")
 
 
+NO_STATS = (
+    "adaptive_unscale needs scale_stats=... (got {got}): the statistics that "
+    "adaloss_jax.adaptive_value_and_grad returns with the scaled gradients, as in "
+    "tx.update(grads, opt_state, params, loss=loss, scale_stats=stats). Gradients of an "
+    "unscaled loss (plain jax.grad) need no adaptive_unscale; for a flax TrainState use "
+    "adaloss_jax.flax.TrainState and linen_train_step")
+
+
 def _short(groups: tuple) -> str:
     shown = ", ".join(repr(g) for g in groups[:5]) + (", ..." if len(groups) > 5 else "")
     return f"[{shown}] ({len(groups)} group{'s' * (len(groups) != 1)})"
@@ -47,13 +55,7 @@ def _short(groups: tuple) -> str:
 def _check_update(state: AdaptiveScaleState, scaler: AdaptiveScale, updates,
                   stats) -> None:
     if not isinstance(stats, ScaleStats):
-        raise ValueError(
-            "adaptive_unscale needs scale_stats=... (got "
-            f"{type(stats).__name__}): the statistics that "
-            "adaloss_jax.adaptive_value_and_grad returns with the scaled gradients, as in "
-            "tx.update(grads, opt_state, params, loss=loss, scale_stats=stats). Gradients "
-            "of an unscaled loss (plain jax.grad) need no adaptive_unscale; for a flax "
-            "TrainState use adaloss_jax.flax.TrainState and linen_train_step")
+        raise ValueError(NO_STATS.format(got=type(stats).__name__))
     if state.scaler != scaler:
         raise ValueError(OTHER_SCALER.format(
             diff=_adaptive_scaler.differences(scaler, state.scaler,

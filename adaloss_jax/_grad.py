@@ -55,43 +55,58 @@ def _selector(scaler: AdaptiveScale, owners: set, deep: set, marked: set = froze
     return selects
 
 
+NO_MODULE_CALL = (
+    "groups='module' found no module call inside the loss function: call the model inside "
+    "it (model.apply(...) for linen; for NNX use "
+    "adaloss_jax.flax.nnx_adaptive_value_and_grad, for Equinox "
+    "adaloss_jax.equinox.eqx_adaptive_value_and_grad), or mark layer functions with "
+    "adaloss_jax.scale_group(name) (pure JAX), or use groups='global'. Linen models are "
+    "seen once adaloss_jax.flax can be imported.")
+FILTER_SELECTS_NOTHING = (
+    "the filter {filter!r} selected no module that owns parameters: no scale group was "
+    "formed; pass a filter that accepts at least one module (or filter=None for all)")
+NO_OWNER_CALLED = (
+    "no module call matched a module that owns parameters (calls: {calls}; parameters "
+    "owned by: {owned}): no scale group was formed. Apply the model to the parameters the "
+    "loss is given, or to a sub-tree of them (model.apply({{'params': "
+    "params['student']}}, ...) is found by the identity of its leaves; parameters rebuilt "
+    "or cast before the call are not)")
+DEPTH_CUTS_A_CONTAINER = (
+    "max_depth={k}: modules under {uncut} are called, but {first!r} itself is no module "
+    "call (a list or dict of modules?), so no scale point would go around them (and with "
+    "groups='module' their parameters would get no group of their own); pass "
+    "max_depth={deeper} (paths count every component, a list index included), or a filter")
+UNKNOWN_GROUPS = (
+    "the loss calls scale groups {missing} that the optimizer state does not know (state "
+    "groups: {known}); build the state with tx.init on the parameters this loss is given, "
+    "after the functions are marked with adaloss_jax.scale_group (the state's groups are "
+    "formed from the names marked by then)")
+GLOBAL_STATE = (
+    "the optimizer state holds a global scaler's state, not an adaptive one; build the "
+    "optimizer with adaloss_jax.adaptive_scaled(inner, adaloss_jax.adaptive(...)) (or "
+    "optax.chain(adaloss_jax.adaptive_unscale(scaler), inner)) for adaptive scaling, or use "
+    "adaloss_jax.value_and_grad with a global scaler")
+
+
 def _check_recording(rec: _record.Recording, scaler: AdaptiveScale, owners: set,
                      deep: set) -> set[str]:
     """The groups the loss calls, or an error naming what is wrong and the fix."""
     group_calls = {_tree.name(c.path) for c in rec.calls if c.group}
     if scaler.groups == "module":
         if not rec.reported:
-            raise ValueError(
-                "groups='module' found no module call inside the loss function: call the "
-                "model inside it (model.apply(...) for linen; for NNX use "
-                "adaloss_jax.flax.nnx_adaptive_value_and_grad, for Equinox "
-                "adaloss_jax.equinox.eqx_adaptive_value_and_grad), or mark layer functions "
-                "with adaloss_jax.scale_group(name) (pure JAX), or use groups='global'. "
-                "Linen models are seen once adaloss_jax.flax can be imported.")
+            raise ValueError(NO_MODULE_CALL)
         if not group_calls and owners and scaler.filter is not None:
-            raise ValueError(
-                f"the filter {scaler.filter!r} selected no module that owns parameters: no "
-                f"scale group was formed; pass a filter that accepts at least one module (or "
-                f"filter=None for all)")
+            raise ValueError(FILTER_SELECTS_NOTHING.format(filter=scaler.filter))
         if not group_calls and owners:  # (parameters owned by the root alone: one group)
             calls = sorted({_tree.name(c.path) or "(root)" for c in rec.calls})[:4]
             owned = sorted(_tree.name(o) for o in owners)[:4]
-            raise ValueError(
-                f"no module call matched a module that owns parameters (calls: {calls}; "
-                f"parameters owned by: {owned}): no scale group was formed. Apply the model "
-                f"to the parameters the loss is given, or to a sub-tree of them "
-                f"(model.apply({{'params': params['student']}}, ...) is found by the identity "
-                f"of its leaves; parameters rebuilt or cast before the call are not)")
+            raise ValueError(NO_OWNER_CALLED.format(calls=calls, owned=owned))
     uncut = sorted({_tree.name(p[:scaler.max_depth]) for p in deep}
                    - {_tree.name(c.path) for c in rec.calls})
     if uncut:  # every module under it would run unmeasured (and, per module, ungrouped)
         k = scaler.max_depth
-        raise ValueError(
-            f"max_depth={k}: modules under {uncut[:4]} are called, but {uncut[0]!r} itself "
-            f"is no module call (a list or dict of modules?), so no scale point would go "
-            f"around them (and with groups='module' their parameters would get no group of "
-            f"their own); pass max_depth={k + 1} (paths count every component, a list index "
-            f"included), or a filter")
+        raise ValueError(DEPTH_CUTS_A_CONTAINER.format(k=k, uncut=uncut[:4], first=uncut[0],
+                                                       deeper=k + 1))
     return group_calls if scaler.groups == "module" else set()
 
 
@@ -218,12 +233,8 @@ def adaptive_value_and_grad(
         rec, program, groups = trace(fun, scaler, params, args, kwargs, hooks)
         missing = sorted(set(groups) - set(state.groups), key=_tree.natural)
         if missing:
-            raise ValueError(
-                f"the loss calls scale groups {missing[:5]} that the optimizer state does not "
-                f"know (state groups: {list(state.groups)[:8]}); build the state with "
-                f"tx.init on the parameters this loss is given, after the functions are "
-                f"marked with adaloss_jax.scale_group (the state's groups are formed from "
-                f"the names marked by then)")
+            raise ValueError(UNKNOWN_GROUPS.format(missing=missing[:5],
+                                                   known=list(state.groups)[:8]))
         rest = rec.dynamic[rec.n_params:]
         treedef = jax.tree_util.tree_structure(params)
 
@@ -410,9 +421,5 @@ def adaptive_state(tree: Any) -> AdaptiveScaleState:
     ``TrainState``, an ``nnx.Optimizer``), or an error naming how to build one."""
     state = _lookup.training_state(tree)
     if not isinstance(state, AdaptiveScaleState):
-        raise ValueError(
-            "the optimizer state holds a global scaler's state, not an adaptive one; build "
-            "the optimizer with adaloss_jax.adaptive_scaled(inner, adaloss_jax.adaptive(...)) "
-            "(or optax.chain(adaloss_jax.adaptive_unscale(scaler), inner)) for adaptive "
-            "scaling, or use adaloss_jax.value_and_grad with a global scaler")
+        raise ValueError(GLOBAL_STATE)
     return state

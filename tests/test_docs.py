@@ -70,7 +70,7 @@ def messages() -> list[tuple[str, str]]:
 
 def _key(message: str) -> str | None:
     """The first literal run of 12+ characters (at most 40): what the page must quote."""
-    for part in message.split("{}"):
+    for part in re.split(r"\{[^{}]*\}", message):  # "{}" of an f-string, "{name!r}"
         part = " ".join(part.replace("adaloss_jax: ", "").split())
         if len(part) >= 12:
             return part[:40]

@@ -35,6 +35,8 @@ def test_a_name_that_ends_in_brackets_is_no_layer():
 
 def test_runs_need_consecutive_layers_from_zero():
     assert runs((Layer("s", 1), Layer("s", 2))) == ((0, 1, False), (1, 2, False))
+    # a layer missing: the run stops before the gap (layer 2 is no slot of it)
+    assert runs((Layer("s", 0), Layer("s", 2))) == ((0, 1, True), (1, 2, False))
     assert runs((*layers("s", 2), *layers("t", 3))) == ((0, 2, True), (2, 5, True))
     assert order(["b", *layers("a", 11)])[:3] == ["a[0]", "a[1]", "a[2]"]
     assert order(layers("a", 11))[-1] == "a[10]"

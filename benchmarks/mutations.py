@@ -124,7 +124,7 @@ MUTATIONS = {
         "adaloss_jax/_stream.py",
         "            for s in srcs:\n                cur |= anchors.get(s, set())",
         "            for s in list(srcs)[:1]:\n                cur |= anchors.get(s, set())",
-        ["tests/test_adaptive.py", "tests/test_stream_property.py"],
+        ["tests/test_stream.py", "tests/test_adaptive.py"],
         "a fan-in region takes one consumer's scale instead of all of theirs"),
     "scaler-mismatch-unchecked": (
         "adaloss_jax/_adaptive.py",

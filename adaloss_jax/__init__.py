@@ -1,6 +1,6 @@
 """adaloss_jax: loss scaling for fp16/fp8 mixed-precision training in JAX."""
 
-from adaloss_jax import checkpoint, diagnostics, formats
+from adaloss_jax import _common, checkpoint, diagnostics, formats
 from adaloss_jax._adaptive import adaptive_scaled, adaptive_unscale
 from adaloss_jax._adaptive_scaler import AdaptiveScale, adaptive
 from adaloss_jax._common import LossScaleState, all_finite, select_tree
@@ -50,11 +50,8 @@ DEPRECATED = {name: space for space, names in (
 
 def __getattr__(name):
     if name in DEPRECATED:
-        import warnings
-
         space = DEPRECATED[name]
-        warnings.warn(f"adaloss_jax.{name} is deprecated and goes in 0.4; use "
-                      f"adaloss_jax.{space}.{name}", DeprecationWarning, stacklevel=2)
+        _common.warn_renamed(f"adaloss_jax.{name}", f"adaloss_jax.{space}.{name}")
         return getattr(globals()[space], name)
     raise AttributeError(f"module 'adaloss_jax' has no attribute {name!r}")
 

@@ -111,6 +111,16 @@ def notice_once(key: str, message: str, category: type[Warning] = UserWarning) -
     warnings.warn(message, category, stacklevel=user_stacklevel())
 
 
+RENAMED = "{old} is deprecated and goes in 0.4; use {new}"
+
+
+def warn_renamed(old: str, new: str) -> None:
+    """The warning an old name gives for the one release it is kept (CHANGELOG.md lists
+    the renames), at the user's line."""
+    warnings.warn(RENAMED.format(old=old, new=new), DeprecationWarning,
+                  stacklevel=user_stacklevel())
+
+
 # -- XLA helpers -----------------------------------------------------------------------
 
 

@@ -35,7 +35,7 @@ def unscale(updates, stats: ScaleStats, state: AdaptiveScaleState):
            for g in sorted(set(leaf_groups), key=_tree.natural)}
     out, leaf_max, index = [], [], []
     for g, leaf in zip(leaf_groups, leaves):
-        x = leaf.astype(jnp.promote_types(leaf.dtype, jnp.float32))
+        x = _common.to_fp32(leaf)
         # Non-finite elements enter the max as inf (XLA's CPU max can drop a NaN).
         mag = jnp.where(jnp.isfinite(x), jnp.abs(x), jnp.asarray(jnp.inf, x.dtype))
         if g in stacked:  # slice i of the leaf is layer i's

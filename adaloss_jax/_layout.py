@@ -39,9 +39,6 @@ class Layer(str):
     def __getnewargs__(self):
         return (self.group, self.index)
 
-    def __repr__(self):
-        return str.__repr__(self)
-
 
 def layers(group: str, n: int) -> list[Layer]:
     """The ``n`` slots of a stacked group, in order."""

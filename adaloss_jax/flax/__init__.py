@@ -1,7 +1,6 @@
 """Flax integrations: a linen TrainState and an NNX optimizer with loss scaling."""
 
-import warnings
-
+from adaloss_jax import _common
 from adaloss_jax.flax import _linen_hook  # noqa: F401  (registers linen's hook)
 from adaloss_jax.flax._linen import TrainState, linen_train_step
 from adaloss_jax.flax._nnx import nnx_optimizer, nnx_train_step
@@ -13,8 +12,7 @@ DEPRECATED = {"train_step": "linen_train_step"}
 
 def __getattr__(name):
     if name in DEPRECATED:
-        warnings.warn(f"adaloss_jax.flax.{name} is deprecated and goes in 0.4; use "
-                      f"adaloss_jax.flax.{DEPRECATED[name]}", DeprecationWarning, stacklevel=2)
+        _common.warn_renamed(f"adaloss_jax.flax.{name}", f"adaloss_jax.flax.{DEPRECATED[name]}")
         return globals()[DEPRECATED[name]]
     raise AttributeError(f"module 'adaloss_jax.flax' has no attribute {name!r}")
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -10,7 +9,7 @@ import jax.numpy as jnp
 import optax
 from flax.training import train_state
 
-from adaloss_jax import _adaptive, _global_transforms, _grad, _lookup
+from adaloss_jax import _adaptive, _common, _global_transforms, _grad, _lookup
 from adaloss_jax._adaptive_scaler import AdaptiveScale
 from adaloss_jax._state import AdaptiveScaleState
 
@@ -71,7 +70,7 @@ class TrainState(train_state.TrainState):
     @property
     def loss_scale_state(self):
         """Deprecated name of :attr:`scale_state` (until 0.4)."""
-        _deprecated("TrainState.loss_scale_state", "TrainState.scale_state")
+        _common.warn_renamed("TrainState.loss_scale_state", "TrainState.scale_state")
         return self.scale_state
 
     def apply_gradients(self, *, grads, loss=None, scale_stats=None, **kwargs):
@@ -138,11 +137,6 @@ def linen_train_step(
     if has_aux:
         metrics["aux"] = aux
     return state, metrics
-
-
-def _deprecated(old: str, new: str) -> None:
-    warnings.warn(f"adaloss_jax: {old} is deprecated and goes in 0.4; use {new}",
-                  DeprecationWarning, stacklevel=3)
 
 
 __all__ = ["TrainState", "linen_train_step"]

@@ -2,7 +2,8 @@
 
 For a byte-level GPT (the model of ``underflow_table.py``) in fp16, compiles one jitted
 training step per configuration and reports compile time (trace + lower + XLA compile of
-a fresh ``jax.jit``, median of ``--compile-repeats`` interleaved repeats), XLA's temporary
+a fresh ``jax.jit``, median of ``--compile-repeats`` interleaved repeats; ``--phases``
+also prints the three apart, with the compiled program's fused kernels), XLA's temporary
 memory, the host round trips found in the compiled HLO (callbacks, infeed/outfeed,
 send/recv) and the steady-state step time, measured in interleaved rounds so that machine
 noise hits every configuration alike. Ratios are against ``dynamic``.
@@ -82,6 +83,11 @@ def host_round_trips(hlo_text: str) -> int:
     return sum(hlo_text.count(p) for p in HOST_PATTERNS)
 
 
+def fused_kernels(hlo_text: str) -> int:
+    """The fused kernels of a compiled program (its ``fusion`` instructions)."""
+    return hlo_text.count(" fusion(")
+
+
 def measure(size: str, layers: int | None, rounds: int, steps: int,
             compile_repeats: int = 3, configs=CONFIGS, batch: int | None = None,
             scan: bool = False, clock=time.perf_counter) -> list[dict]:
@@ -97,7 +103,7 @@ def measure(size: str, layers: int | None, rounds: int, steps: int,
         tx, step = build_step(config, models[config], params)
         steps_of[config] = (tx.init(params), step)
         rows.append({"size": size, "layers": n_layers, "d_model": d, "config": config,
-                     "batch": batch, "compile_times": [], "times": []})
+                     "batch": batch, "compile_times": [], "times": [], "phases": []})
     model_of = models
     # Interleaved (ABCABC...) so that load from other processes hits every config alike.
     for _ in range(compile_repeats):
@@ -106,14 +112,23 @@ def measure(size: str, layers: int | None, rounds: int, steps: int,
             # A fresh step function each time: jax caches traces and executables by it.
             _, step = build_step(row["config"], model_of[row["config"]], params)
             t0 = clock()
-            compiled = jax.jit(step).lower(params, opt_state, data).compile()
-            row["compile_times"].append(clock() - t0)
+            traced = jax.jit(step).trace(params, opt_state, data)
+            t1 = clock()
+            lowered = traced.lower()
+            t2 = clock()
+            compiled = lowered.compile()
+            t3 = clock()
+            row["compile_times"].append(t3 - t0)
+            row["phases"].append((t1 - t0, t2 - t1, t3 - t2))
             runners[row["config"]] = (compiled, [params, opt_state])
     for row in rows:
         compiled, state = runners[row["config"]]
         mem = compiled.memory_analysis()
         temp = getattr(mem, "temp_size_in_bytes", float("nan")) if mem is not None else np.nan
         row["compile_s"] = statistics.median(row["compile_times"])
+        row["trace_s"], row["lower_s"], row["xla_s"] = (
+            statistics.median(p) for p in zip(*row["phases"]))
+        row["kernels"] = fused_kernels(compiled.as_text())
         row["temp_bytes"] = temp
         row["host_round_trips"] = host_round_trips(compiled.as_text())
         jax.block_until_ready(compiled(*state, data))  # warm-up
@@ -148,6 +163,9 @@ def main(argv=None) -> int:
     parser.add_argument("--cpu-clock", action="store_true",
                         help="compile time as this process's CPU seconds (steadier than "
                              "wall time where other jobs share the cores)")
+    parser.add_argument("--phases", action="store_true",
+                        help="also print trace, lower and XLA compile apart (medians) "
+                             "and the compiled program's fused kernels")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma list of {list(ALL_CONFIGS)}")
     args = parser.parse_args(argv)
@@ -179,6 +197,13 @@ def main(argv=None) -> int:
                       f"{r['step_ms']:>8.1f} {r['step_ratio']:>6.3f} {r['compile_s']:>9.2f} "
                       f"{r['compile_ratio']:>6.2f} {r['temp_bytes'] / 2**20:>9.1f} "
                       f"{r['temp_ratio']:>6.2f} {r['host_round_trips']:>10d}")
+    if args.phases:
+        print("# compile phases, seconds (median of the repeats), and fused kernels")
+        print("{:<6} {:>6} {:<16} {:>7} {:>7} {:>7} {:>8}".format(
+            "size", "layers", "config", "trace", "lower", "XLA", "kernels"))
+        for r in rows:
+            print(f"{r['size']:<6} {r['layers']:>6} {r['config']:<16} {r['trace_s']:>7.2f} "
+                  f"{r['lower_s']:>7.2f} {r['xla_s']:>7.2f} {r['kernels']:>8d}")
     slopes = compile_slopes(rows)
     if slopes:
         print("# compile seconds per added layer (least squares over the depths), and as a "

@@ -368,9 +368,10 @@ class LiveConfig(NamedTuple):
 
 
 def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
-           dummy_axes=frozenset()) -> jax.Array:
-    """The log2 scale a live region gets from the cotangents ``cts`` arriving at its
-    decider (at scale ``2**ly``; ``amax``: their :func:`magnitude` on this device)::
+           dummy_axes=frozenset()) -> tuple[jax.Array, jax.Array]:
+    """The log2 scale ``s`` a live region gets from the cotangents ``cts`` arriving at
+    its decider (at scale ``2**ly``; ``amax``: their :func:`magnitude` on this device),
+    and ``s - planned``::
 
         A     = amax(cts) / 2**ly                       # over the devices that share it
         s     = floor(target - log2 A) - headroom        # target = log2 x_max - margin
@@ -384,22 +385,29 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
     module the rule has measured (its scale is set from the module's largest value, not
     only its entry's), and after an overflow the rule's back-off.
 
-    The choice is the result of a conditional (measured or planned), so XLA computes it
-    once: as a plain select, the scalar chain behind it (each decider's input is the
-    choice of the region downstream) would be fused into every kernel that converts or
-    unscales by it, and the compiled step would grow with depth squared."""
+    Both are the results of a conditional (measured or planned), so XLA computes them
+    once: as a plain select, the scalar chain behind the choice (each decider's input
+    is the choice of the region downstream) would be fused into every kernel that
+    converts or unscales by it, and the compiled step would grow with depth squared.
+    ``limits`` is read inside the conditional only: it is one group's slice of a table
+    of every group's (:func:`adaloss_jax._grad.adaptive_value_and_grad`), and a kernel
+    that read it outside would be a distinct kernel per group, each compiled apart."""
     varying = set().union(*(_varying_axes(c) for c in cts))
     axes = tuple(sorted(varying - dummy_axes)) if varying else cfg.axes  # (untyped, as
     # under check_vma=False: the optimizer's axis_name)
     if axes:  # one scale for every device whose gradients are summed
         amax = jax.lax.pmax(amax, axes)
-    headroom, prior, planned = limits[0], limits[1], limits[2]
-    def measured():
+    def measured(limits):
+        headroom, prior, planned = limits[0], limits[1], limits[2]
         s = jnp.minimum(jnp.floor(cfg.target - (jnp.log2(amax) - ly)) - headroom, prior)
-        return jnp.clip(s, cfg.lo, cfg.hi)
+        s = jnp.clip(s, cfg.lo, cfg.hi)
+        return s, s - planned
 
-    return jax.lax.cond((amax > 0) & (amax < jnp.inf), measured,
-                        lambda: jnp.clip(planned, cfg.lo, cfg.hi))
+    def unmeasured(limits):
+        s = jnp.clip(limits[2], cfg.lo, cfg.hi)
+        return s, s - limits[2]
+
+    return jax.lax.cond((amax > 0) & (amax < jnp.inf), measured, unmeasured, limits)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
@@ -446,7 +454,7 @@ def _live_point_bwd(cfg, res, cts):
     ly = base[1] if cfg.y_token is None else base[1] + emitted[cfg.y_token]
     amax = magnitude(cts)
     if cfg.decides:
-        lx = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)
+        lx, mine = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)
     else:
         lx = base[0] if cfg.x_token is None else base[0] + emitted[cfg.x_token]
     ratio = _formats.pow2(lx) / _formats.pow2(ly)
@@ -457,7 +465,8 @@ def _live_point_bwd(cfg, res, cts):
            else None)
     # The choice as its difference from the plan (``limits[2]``), as a token's: a decider
     # the backward pass never reaches (its module's output unused) reads the plan.
-    mine = lx - limits[2] if cfg.decides else jnp.zeros((), jnp.float32)
+    if not cfg.decides:
+        mine = jnp.zeros((), jnp.float32)
     moved = lx - base[0] if cfg.decides else mine
     return (out, jnp.zeros_like(base), jnp.zeros_like(limits), row, _typed_as(mine, chosen),
             tuple(_typed_as(moved, t) for t in taken))

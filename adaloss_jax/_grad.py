@@ -248,8 +248,10 @@ def adaptive_value_and_grad(
             live = program.live.groups if prior is not None else ()
             chosen = {g: jnp.zeros((), jnp.float32) for g in live}
 
+            limits = _limits(prior, live) if live else {}
+
             def scaled(param_values, dummies, chosen):
-                inputs = {g: (_limits(prior, g), chosen[g]) for g in live}
+                inputs = {g: (limits[g], chosen[g]) for g in live}
                 axes = () if prior is None or _decide.bound(prior.axis_name) is None else (
                     prior.axis_name,)
                 outs = program.evaluate([*param_values, *rest], dummies, ratios,
@@ -289,14 +291,22 @@ def adaptive_value_and_grad(
     return wrapped
 
 
-def _limits(prior: AdaptiveScaleState, g: str) -> jax.Array:
-    """What a live region's decider bounds its choice by (:func:`_channel.decide`):
-    ``[headroom, prior, planned]``, the prior being the rule's scale once the group
-    was measured or overflowed (+inf before)."""
-    planned = prior.log2_scales[g]
-    measured = (prior.log2_amax[g] > -jnp.inf) | prior.overflowed[g]
-    return jnp.stack([jnp.ceil(prior.headroom[g]), jnp.where(measured, planned, jnp.inf),
-                      planned]).astype(jnp.float32)
+def _limits(prior: AdaptiveScaleState, live) -> dict:
+    """What each live region's decider bounds its choice by (:func:`_channel.decide`):
+    ``{g: [headroom, prior, planned]}``, the prior being the rule's scale once the group
+    was measured or overflowed (+inf before).
+
+    Computed for every group at once as one table, and read out by one slice per live
+    group that only its decider's conditional reads: XLA's CPU backend compiles each
+    distinct fused kernel once, and a slice's index makes its body distinct, so a slice
+    fused into the kernels downstream would make each of them a kernel per group, each
+    compiled on its own."""
+    planned = prior.log2_scales.array
+    measured = (prior.log2_amax.array > -jnp.inf) | prior.overflowed.array
+    table = jnp.stack([jnp.ceil(prior.headroom.array), jnp.where(measured, planned, jnp.inf),
+                       planned]).astype(jnp.float32)
+    names = prior.log2_scales.names
+    return {g: table[:, names.index(g)] for g in live}
 
 
 def _unscaled(attempt: Callable, state: AdaptiveScaleState):

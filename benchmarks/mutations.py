@@ -139,6 +139,14 @@ MUTATIONS = {
         ["tests/test_adaptive_scaler.py::test_same_step_is_the_default_per_module_with_the_amax_statistic",
          "tests/test_adaptive.py::test_simulated_e5m2_cotangents_scaled_beat_unscaled"],
         "per module, the scales are the rule's unless same_step=True is passed"),
+    "decider-bounds-read-apart": (
+        "adaloss_jax/_channel.py",
+        "        lx, mine = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)\n",
+        "        lx, _ = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)\n"
+        "        mine = lx - limits[2]\n",
+        ["tests/test_live.py::test_each_live_region_adds_at_most_one_distinct_kernel_to_the_delayed_rules"],
+        "the same numbers, but each decider's plan is read outside its conditional: a "
+        "kernel of its own per group, each compiled"),
     "bench-run-key-ignores-options": (
         "adaloss_jax/bench/_report.py",
         '            row["settings"], row.get("spec", ""))',

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 
 import jax
 import jax.numpy as jnp
@@ -422,9 +423,10 @@ def test_a_scanned_transformer_decides_inside_each_block_as_its_unrolled_twin():
     assert len(moved) == 3 * len(inside), moved  # every layer's every region decided
 
 
-def _hlo_size(depth: int, same_step: bool) -> int:
-    """Instructions in the optimized HLO of one jitted same-step (or delayed) step of a
-    chain of ``depth`` fp16 modules, each a live region."""
+@functools.cache
+def _compiled_text(depth: int, same_step: bool) -> str:
+    """The optimized HLO of one jitted same-step (or delayed) step of a chain of
+    ``depth`` fp16 modules, each a live region."""
     layers = [alj.scale_group(f"l{i}")(lambda p, x: jnp.tanh(x @ p["w"]))
               for i in range(depth)]
 
@@ -442,8 +444,29 @@ def _hlo_size(depth: int, same_step: bool) -> int:
         return tx.update(grads, state, p, loss=value, scale_stats=stats)
 
     x = jnp.ones((2, 4), jnp.float16)
-    text = jax.jit(step).lower(tx.init(params), params, x).compile().as_text()
-    return sum(" = " in line for line in text.splitlines())
+    return jax.jit(step).lower(tx.init(params), params, x).compile().as_text()
+
+
+def _hlo_size(depth: int, same_step: bool) -> int:
+    return sum(" = " in line for line in _compiled_text(depth, same_step).splitlines())
+
+
+def _distinct_kernels(depth: int, same_step: bool) -> int:
+    """The distinct bodies among the fused kernels of :func:`_compiled_text` (names
+    and metadata aside): what XLA's CPU backend compiles, each once."""
+    blocks = {}
+    for block in _compiled_text(depth, same_step).split("\n\n"):
+        head, _, body = block.strip().partition("\n")
+        blocks[head.split(" ")[0].lstrip("%")] = body
+    called = re.findall(r"kind=\w+, calls=%?([\w.\-]+)", _compiled_text(depth, same_step))
+
+    def canonical(body: str) -> str:
+        body = re.sub(r", metadata=\{[^}]*\}", "", body)
+        names: dict = {}
+        return re.sub(r"%[\w.\-]+", lambda m: names.setdefault(m.group(0), f"%{len(names)}"),
+                      body)
+
+    return len({canonical(blocks[c]) for c in called})
 
 
 def test_a_chosen_scale_is_computed_once_not_copied_into_every_kernel_that_reads_it():
@@ -457,6 +480,18 @@ def test_a_chosen_scale_is_computed_once_not_copied_into_every_kernel_that_reads
     delayed = _hlo_size(12, False) - _hlo_size(6, False)
     assert same[2] - same[1] <= 1.1 * (same[1] - same[0]), same  # linear in depth
     assert same[1] - same[0] <= 2 * delayed, (same, delayed)
+
+
+def test_each_live_region_adds_at_most_one_distinct_kernel_to_the_delayed_rules():
+    """XLA's CPU backend compiles each distinct fused kernel body once, and a slice's
+    index makes its body distinct: a group's value read out of a vector is a kernel of
+    its own per group. Each decider reads its bounds (headroom, prior, plan) as one slice
+    of one table, and the difference from the plan is its conditional's output, so no
+    kernel downstream reads a group's slice: a live region adds at most one distinct
+    kernel to what a module adds under the delayed rule."""
+    same = _distinct_kernels(12, True) - _distinct_kernels(6, True)
+    delayed = _distinct_kernels(12, False) - _distinct_kernels(6, False)
+    assert same <= delayed + 6, (same, delayed)
 
 
 def test_same_step_off_keeps_the_prior_scales():

@@ -390,8 +390,8 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
     is the choice of the region downstream) would be fused into every kernel that
     converts or unscales by it, and the compiled step would grow with depth squared.
     ``limits`` is read inside the conditional only: it is one group's slice of a table
-    of every group's (:func:`adaloss_jax._grad.adaptive_value_and_grad`), and a kernel
-    that read it outside would be a distinct kernel per group, each compiled apart."""
+    of every group's (``adaloss_jax._grad._limits``), and a kernel that read it outside
+    would be a distinct kernel per group, each compiled apart."""
     varying = set().union(*(_varying_axes(c) for c in cts))
     axes = tuple(sorted(varying - dummy_axes)) if varying else cfg.axes  # (untyped, as
     # under check_vma=False: the optimizer's axis_name)

@@ -189,8 +189,7 @@ class Program:
         fmt = self.scaler.format
         return _channel.decode(specs, values, used, self.columns, fmt.max,
                                planned=planned if self.live.groups else None,
-                               fmt_min=fmt.min_subnormal if self.scaler.groups == "global"
-                               else None)  # (only one global scale reads ``flushed``)
+                               fmt_min=fmt.min_subnormal)
 
     def pairs(self) -> list[tuple]:
         """Every ``(x anchors, y anchors)`` pair a conversion or a row refers to, sorted
@@ -288,7 +287,8 @@ class Program:
             y_token=needs.index(y) if y in needs else None, emits=len(needs),
             decides=group is not None, takes=len(taken),
             target=math.log2(cfg.x_max) - sc.margin,
-            lo=math.log2(sc.min_loss_scale), hi=math.log2(sc.max_loss_scale), axes=live.axes)
+            lo=math.log2(sc.min_loss_scale), hi=math.log2(sc.max_loss_scale), axes=live.axes,
+            reserve=float(sc.max_rise))
         base = jnp.stack([jnp.asarray(live.sigma[a], jnp.float32) for a in pair])
         ys, emitted = _channel.live_point(lcfg, xs, base, limits, dummy, chosen, taken)
         for g, t in zip(needs, emitted):

@@ -335,17 +335,21 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     bad_v = jax.ops.segment_max(started[jnp.asarray(p_set)].astype(jnp.int32),
                                 jnp.asarray(p_grp), ng) > 0
     # A row stored in the scaler's format (where it rounds, or where the model computes
-    # in it) that arrived non-zero and flushed entirely there: one scale lost it.
-    flushed = jnp.asarray(False)
-    stored_in = [i for i, r in enumerate(rows) if r.x_max == fmt_max]
-    if fmt_min is not None and stored_in:
-        idx = jnp.asarray(stored_in, jnp.int32)
-        x_of = jnp.asarray([si[rows[i].x] for i in stored_in], jnp.int32)
-        arrived = m[idx, _AMAX]
-        stored = arrived * _formats.pow2(sigma_vec[x_of] - sigma_vec[y_set[idx]])
-        flushed = jnp.any((arrived > 0) & (stored < fmt_min / 2))
+    # in it) that arrived non-zero and flushed entirely there: one scale lost it. The
+    # groups it went to are starved (and so is every group a row reached as zeros): what
+    # was lost, and all computed from it, is missing from their statistics.
+    flushed, starved = jnp.asarray(False), None
+    lost = amax_r == 0
+    if fmt_min is not None:
+        stored_in = jnp.asarray([r.x_max == fmt_max for r in rows])
+        stored = amax_r * _formats.pow2(sigma_vec[x_set] - sigma_vec[y_set])
+        gone = stored_in & (amax_r > 0) & (stored < fmt_min / 2)
+        flushed, lost = jnp.any(gone), lost | gone
+        starved = vec(jax.ops.segment_max(any_of(lost, x_set)[jnp.asarray(p_set)].astype(
+            jnp.int32), jnp.asarray(p_grp), ng) > 0)
     return ScaleStats(used, vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
-                      sumsq=sumsq, count=count, hist=hist, flushed=flushed)
+                      sumsq=sumsq, count=count, hist=hist, flushed=flushed,
+                      starved=starved)
 
 
 # ------------------------------------------------------------------ same-step scales
@@ -365,6 +369,7 @@ class LiveConfig(NamedTuple):
     lo: float = -math.inf  # bounds of every scale (log2)
     hi: float = math.inf
     axes: tuple = ()  # mapped axes to agree over where the types do not say (check_vma off)
+    reserve: float = 0.0  # the most a first choice keeps free for sums inside (max_rise)
 
 
 def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
@@ -375,6 +380,9 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
 
         A     = amax(cts) / 2**ly                       # over the devices that share it
         s     = floor(target - log2 A) - headroom        # target = log2 x_max - margin
+        s     = s - reserve        while prior is +inf (nothing measured inside yet):
+                                   # reserve = min(ceil(log2 n), max_rise), n = the
+                                   # elements of a cotangent per entry of its last axis
         s     = min(s, prior)      # prior: the rule's scale (+inf until the group was
                                    # measured or overflowed)
         s     = planned where A is 0 or not finite       (nothing to measure by: the
@@ -383,7 +391,12 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
 
     ``limits = [headroom, prior, planned]``; the prior holds the growth inside the
     module the rule has measured (its scale is set from the module's largest value, not
-    only its entry's), and after an overflow the rule's back-off.
+    only its entry's), and after an overflow the rule's back-off. Before it has one, the
+    region's parameter gradients are sums over the cotangent's leading axes (a Dense
+    kernel's over every token, a norm's scale likewise): ``reserve`` keeps room for a
+    sum of ``n`` terms as large as the entry, so the first pass measures them instead of
+    overflowing; at most ``max_rise`` binades, so the rule does not refuse the step as
+    computed too far below the scale its statistics call for.
 
     Both are the results of a conditional (measured or planned), so XLA computes them
     once: as a plain select, the scalar chain behind the choice (each decider's input
@@ -397,8 +410,11 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
     # under check_vma=False: the optimizer's axis_name)
     if axes:  # one scale for every device whose gradients are summed
         amax = jax.lax.pmax(amax, axes)
+    reserve = min(first_reserve(cts), cfg.reserve)
+
     def measured(limits):
         headroom, prior, planned = limits[0], limits[1], limits[2]
+        headroom = headroom + jnp.where(prior < jnp.inf, 0.0, reserve)
         s = jnp.minimum(jnp.floor(cfg.target - (jnp.log2(amax) - ly)) - headroom, prior)
         s = jnp.clip(s, cfg.lo, cfg.hi)
         return s, s - planned
@@ -408,6 +424,14 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
         return s, s - limits[2]
 
     return jax.lax.cond((amax > 0) & (amax < jnp.inf), measured, unmeasured, limits)
+
+
+def first_reserve(cts: tuple) -> float:
+    """``ceil(log2 n)``, ``n`` the most elements any of ``cts`` has per entry of its
+    last axis (0 for scalars and vectors): the binades a sum over its leading axes can
+    grow by, terms as large as the largest entry (static)."""
+    n = max((c.size // c.shape[-1] for c in cts if c.ndim >= 2 and c.shape[-1]), default=1)
+    return float(math.ceil(math.log2(max(n, 1))))
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))

@@ -117,7 +117,10 @@ def measured(state: AdaptiveScaleState, stats: ScaleStats, p_amax, loss,
         hist=over_devices(None if stats.hist is None else full(stats.hist, 0.0, jnp.float32).T,
                      jax.lax.psum, axis_name),
         flushed=None if stats.flushed is None else over_devices(
-            stats.flushed.astype(jnp.int32), jax.lax.pmax, axis_name) > 0)
+            stats.flushed.astype(jnp.int32), jax.lax.pmax, axis_name) > 0,
+        starved=None if stats.starved is None else over_devices(
+            full(stats.starved, False, jnp.bool_).astype(jnp.int32), jax.lax.pmax,
+            axis_name) > 0)
 
 
 def bound(axis_name: str | None) -> str | None:

@@ -38,6 +38,8 @@ class Measured(NamedTuple):
       hist: ``(groups, NBINS)`` binade histogram (``statistic="quantile"``).
       flushed: bool scalar, a cotangent arrived non-zero and flushed entirely where
         it is stored.
+      starved: bool, per group: a cotangent on its way into it arrived zero, or
+        non-zero and flushed entirely where it is stored.
     """
 
     active: jax.Array
@@ -51,6 +53,7 @@ class Measured(NamedTuple):
     count: jax.Array | None = None
     hist: jax.Array | None = None
     flushed: jax.Array | None = None
+    starved: jax.Array | None = None
 
 
 def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
@@ -67,6 +70,10 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                   # "gaussian"
         s_k     = min(s_k, min{q : #{|x| 2**q < 2 u_min} <= T * n_k})   # "quantile": the
                   n_k non-zero values of the histogram (no answer if its tail is cut off)
+        s_k     = min(s_k, u_k + blind_jump)   if k was starved: a cotangent on its
+                  way into k flushed entirely or arrived zero (what was lost below
+                  u_min / 2, and all computed from it, is missing from its statistics:
+                  the jump that cannot overflow it)
         s_k     = s_k(previous)  unless total_applied % period == 0
         s_k     = s_k(previous) + blind_jump - ceil(h_k)   if nothing was measured
                   (at least the global floor if h_k == 0)
@@ -169,13 +176,15 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
         target = jnp.minimum(target, _gaussian(m.sumsq, m.count, used, cfg))
     if m.hist is not None:
         target = jnp.minimum(target, _quantile(m.hist, used, cfg))
+    blind_jump = math.floor(log2_max - cfg.margin - math.log2(fmt.min_subnormal) - 1)
+    if m.starved is not None:  # (values lost below u_min / 2 may be its largest)
+        target = jnp.where(act & m.starved, jnp.minimum(target, used + blind_jump), target)
     if cfg.period > 1:
         target = jnp.where(recompute, target, log2)
 
     blind = state.overflowed.array & ~(prev_amax > -jnp.inf)  # nothing measured yet
     drop = cfg.backoff * jnp.where(blind, _formats.pow2(jnp.minimum(base.notfinite_count,
                                                                      4)), 1.0)
-    blind_jump = math.floor(log2_max - cfg.margin - math.log2(fmt.min_subnormal) - 1)
     # (Other groups' statistics, the floor, lift no group that learned headroom: its
     # own boundary statistics are known to miss growth inside it.)
     grown = jnp.where(room > 0, log2 + blind_jump, jnp.maximum(log2 + blind_jump, floor)

@@ -162,6 +162,10 @@ class ScaleStats:
       nonfinite: whether any measured value or conversion was not finite.
       flushed: whether a cotangent arrived at a scale point non-zero and flushed
         entirely where it is stored, below half of ``grad_dtype``'s smallest value.
+      starved: per group, whether a cotangent on its way into it arrived zero, or
+        non-zero and flushed entirely where it is stored (its statistics miss what was
+        lost and all that was computed from it): the rule raises it by at most the
+        jump that cannot overflow what was lost.
       verdict: where the gradient function may retry a step (``AdaptiveScale.retries``):
         the rule's next state for the pass these statistics are of (its array fields
         but ``total_retries``) and ``retries``, the passes taken again; the optimizer
@@ -192,6 +196,7 @@ class ScaleStats:
     count: GroupVector | None = None
     hist: GroupVector | None = None
     flushed: jax.Array | None = None
+    starved: GroupVector | None = None
     verdict: dict | None = None
     grad_amax: jax.Array | None = None
     fingerprint: str = _static(default="")
@@ -201,7 +206,7 @@ class ScaleStats:
 jax.tree_util.register_dataclass(
     ScaleStats,
     data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist",
-                 "flushed", "verdict", "grad_amax"],
+                 "flushed", "starved", "verdict", "grad_amax"],
     meta_fields=["fingerprint", "origin"],
 )
 

@@ -139,6 +139,20 @@ MUTATIONS = {
         ["tests/test_adaptive_scaler.py::test_same_step_is_the_default_per_module_with_the_amax_statistic",
          "tests/test_adaptive.py::test_simulated_e5m2_cotangents_scaled_beat_unscaled"],
         "per module, the scales are the rule's unless same_step=True is passed"),
+    "first-choice-no-reserve": (
+        "adaloss_jax/_channel.py",
+        "    reserve = min(first_reserve(cts), cfg.reserve)",
+        "    reserve = 0.0",
+        ["tests/test_live.py", "tests/test_channel.py"],
+        "a first same-step choice keeps no room for its kernel gradient's sum over rows: "
+        "step 1 overflows it"),
+    "starved-group-rises-freely": (
+        "adaloss_jax/_rule.py",
+        "    if m.starved is not None:  # (values lost below u_min / 2 may be its largest)",
+        "    if False:  # (values lost below u_min / 2 may be its largest)",
+        ["tests/test_rule.py", "tests/test_live.py"],
+        "a group whose incoming cotangents flushed rises to what its partial statistics "
+        "call for, and overflows what was lost"),
     "decider-bounds-read-apart": (
         "adaloss_jax/_channel.py",
         "        lx, mine = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)\n",

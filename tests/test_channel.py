@@ -85,3 +85,48 @@ def test_decode_attributes_rows_to_the_groups_of_both_sides():
 def test_columns(sumsq, hist):
     cols = _channel.Columns(sumsq=sumsq, hist_lo=-30 if hist else None)
     assert cols.width == 3 + 2 * sumsq + _channel.NBINS * hist
+
+
+def test_decode_marks_groups_starved_by_a_flushed_or_zero_cotangent():
+    """Row 0 leaves a's scale (0) for the root's (-3) stored in fp16: 2**-23 becomes
+    2**-26, below half of fp16's smallest value, so it flushed and the root, which
+    computes from it, is starved; row 1 arrived in b as zeros (b is starved, nothing
+    flushed); row 2 fits. Without the format's smallest value nothing is judged."""
+    cols = _channel.Columns(sumsq=False, hist_lo=None)
+    rows = [_channel.Row(y=("a",), x=("",), y_max=FP16, x_max=FP16),
+            _channel.Row(y=("b",), x=("b",), y_max=FP16, x_max=FP16),
+            _channel.Row(y=("c",), x=("c",), y_max=FP16, x_max=FP16)]
+    values = [jnp.asarray([2.0**-23, 0.0, 0.0]), jnp.zeros(3), jnp.asarray([1.0, 0.0, 0.0])]
+    groups = ("", "a", "b", "c")
+    used = GroupVector(groups, jnp.asarray([-3.0, 0.0, 0.0, 0.0]), split=True)
+    stats = _channel.decode(rows, values, used, cols, FP16, fmt_min=2.0**-24)
+    assert [bool(stats.starved[g]) for g in groups] == [True, False, True, False]
+    assert bool(stats.flushed)
+    # At the root's scale -1 the same value is stored as 2**-24: kept.
+    used = GroupVector(groups, jnp.asarray([-1.0, 0.0, 0.0, 0.0]), split=True)
+    stats = _channel.decode(rows, values, used, cols, FP16, fmt_min=2.0**-24)
+    assert [bool(stats.starved[g]) for g in groups] == [False, False, True, False]
+    assert not bool(stats.flushed)
+    assert _channel.decode(rows, values, used, cols, FP16).starved is None
+
+
+@pytest.mark.parametrize("shapes,bits", [([(5, 3)], 3), ([(4, 8, 3), (2, 7)], 5),
+                                         ([(7,), ()], 0), ([(1, 4)], 0)])
+def test_a_first_choice_reserves_the_binades_of_a_sum_over_the_leading_axes(shapes, bits):
+    """``ceil(log2 n)``, ``n`` the most elements per entry of the last axis (4 x 8 = 32
+    rows: 5 binades); vectors and scalars sum nothing."""
+    assert _channel.first_reserve(tuple(jnp.zeros(s) for s in shapes)) == bits
+
+
+@pytest.mark.parametrize("reserve", [0.0, 2.0, 5.0, 100.0])
+def test_a_first_choice_keeps_room_for_the_sum_over_64_rows_at_most_reserve(reserve):
+    """amax 2**-10 aims at 2**11: scale 21; before the group has a prior, less
+    ``min(log2 64, reserve)``; with one, none (the prior holds what was measured)."""
+    cfg = _channel.LiveConfig(_cfg(), x_token=None, y_token=None, emits=0, decides=True,
+                              target=11.0, reserve=reserve)
+    cts = (jnp.zeros((8, 8, 4)),)
+    amax = jnp.float32(2.0**-10)
+    first, delta = _channel.decide(amax, cts, 0.0, jnp.asarray([0.0, np.inf, 3.0]), cfg)
+    assert float(first) == 21 - min(6, reserve) and float(delta) == float(first) - 3
+    known, _ = _channel.decide(amax, cts, 0.0, jnp.asarray([0.0, 100.0, 3.0]), cfg)
+    assert float(known) == 21

@@ -153,6 +153,19 @@ def test_a_ceiling_caps_a_blind_jump():
     assert float(new.log2_amax["a"]) == -24.0 - 1 - 10.0
 
 
+def test_a_starved_group_rises_at_most_by_the_jump_that_cannot_overflow_what_it_lost():
+    """a's statistics call for 51 (its unit amax 2**-40), but a cotangent on its way in
+    flushed (or arrived as zeros): what was lost may be its largest value, so it rises
+    from 10 by the blind jump (34 binades for fp16), no further; the others as ever."""
+    state = _state(max_rise=100, decay=math.inf)
+    unit = [-12.0, -40.0, -20.0]
+    fed = adjust(state, _measured(state, unit))
+    starved = adjust(state, _measured(state, unit, starved=jnp.asarray([False, True, False])))
+    jump = math.floor(LOG2_MAX - 4 + 24 - 1)
+    assert _scales(fed)[1] == math.floor(LOG2_MAX - 4 + 40.0) > 10 + jump
+    assert _scales(starved) == [_scales(fed)[0], 10.0 + jump, _scales(fed)[2]]
+
+
 def test_nonfinite_parameter_gradients_nobody_explains_blame_their_group():
     state = _state(max_rise=100)
     m = _measured(state, [-20.0, -12.0, np.inf], param_nonfinite=(False, False, True))

@@ -830,8 +830,7 @@ def test_a_scanned_gpt_whose_cotangents_flush_in_e4m3_skips_only_step_0():
     """The bench's byte GPT, one scanned block, e4m3 cotangents: at step 0's scales
     cotangents on their way into some groups flush entirely, so those groups' statistics
     miss their largest values; the rule caps their rise at the jump that cannot overflow
-    what was lost (before: skipped 0-3, each step overflowing a group the statistics
-    had called for too high)."""
+    what was lost (before: skipped steps 0-3)."""
     from adaloss_jax.bench._models import GPT
 
     tokens = jax.random.randint(jax.random.key(0), (16, 64), 0, 256)

@@ -429,7 +429,8 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
 def first_reserve(cts: tuple) -> float:
     """``ceil(log2 n)``, ``n`` the most elements any of ``cts`` has per entry of its
     last axis (0 for scalars and vectors): the binades a sum over its leading axes can
-    grow by, terms as large as the largest entry (static)."""
+    grow by, terms as large as the largest entry (static). Under ``shard_map`` the
+    shapes are the device's shard's: the sum over its own rows, the one it computes."""
     n = max((c.size // c.shape[-1] for c in cts if c.ndim >= 2 and c.shape[-1]), default=1)
     return float(math.ceil(math.log2(max(n, 1))))
 

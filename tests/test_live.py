@@ -820,7 +820,7 @@ def _warm_up_skips(model, x, y, grad_dtype, steps=5):
 def test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_only_step_0():
     """fp16, 512 x 8 tokens: the first choice of each Dense's scale comes from its
     output cotangent, and its kernel gradient sums 4096 rows of it; without the first
-    choice's reserve step 1 overflowed there (skipped 0 and 1)."""
+    choice's reserve, step 1 overflowed there and was skipped too."""
     x = jax.random.normal(jax.random.key(0), (512, 8, 16))
     y = jax.random.randint(jax.random.key(1), (512, 8), 0, 10)
     assert _warm_up_skips(_AttnBlock(), x, y, "float16") == [0]
@@ -830,7 +830,7 @@ def test_a_scanned_gpt_whose_cotangents_flush_in_e4m3_skips_only_step_0():
     """The bench's byte GPT, one scanned block, e4m3 cotangents: at step 0's scales
     cotangents on their way into some groups flush entirely, so those groups' statistics
     miss their largest values; the rule caps their rise at the jump that cannot overflow
-    what was lost (before: skipped steps 0-3)."""
+    what was lost (without the cap, steps after 0 overflowed and were skipped)."""
     from adaloss_jax.bench._models import GPT
 
     tokens = jax.random.randint(jax.random.key(0), (16, 64), 0, 256)

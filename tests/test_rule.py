@@ -316,8 +316,9 @@ _N = 4  # the root and three module groups
 _RULE_EXAMPLES = 150 if __import__("os").environ.get("CI") else 40
 
 
-def _simulated(state, a, g, fmt, accident=None):
-    """The statistics of one step of the hidden model at the state's scales."""
+def _simulated(state, a, g, fmt, accident=None, starved=None):
+    """The statistics of one step of the hidden model at the state's scales (``starved``:
+    the groups flagged starved, e.g. a consumer whose cotangent arrives as zeros)."""
     log2_max, log2_min = _FORMATS[fmt]
     s = np.asarray(state.log2_scales.array, np.float64)
     amax, bad = np.zeros(_N, np.float32), np.zeros(_N, bool)
@@ -338,7 +339,8 @@ def _simulated(state, a, g, fmt, accident=None):
                           amax=jnp.asarray(amax), bad=jnp.asarray(bad),
                           param_nonfinite=jnp.zeros(_N, bool),
                           grads_finite=jnp.asarray(bool(np.all(np.isfinite(amax)))),
-                          loss_finite=jnp.asarray(loss_finite))
+                          loss_finite=jnp.asarray(loss_finite),
+                          starved=None if starved is None else jnp.asarray(starved))
 
 
 def _random_state(data, fmt):
@@ -387,6 +389,7 @@ def test_from_any_state_the_rule_applies_a_step_soon_and_never_returns_to_an_ove
     g = data.draw(st.lists(st.integers(0, 8), min_size=_N, max_size=_N), label="g")
     accidents = data.draw(st.lists(st.sampled_from([None] * 6 + ["data", "forward"]),
                                    min_size=60, max_size=60), label="accidents")
+    starved = data.draw(st.lists(st.booleans(), min_size=_N, max_size=_N), label="starved")
     adjust_ = _adjust_for(fmt)
     # Scales drawn up to 48 binades above any that fits, backing off log2(factor) = 4
     # a step, then a step or two to learn headroom: 16 (the most seen in 1500 examples: 13).
@@ -394,7 +397,7 @@ def test_from_any_state_the_rule_applies_a_step_soon_and_never_returns_to_an_ove
     since, worst = 0, 0
     overflowed_at = [math.inf] * _N
     for accident in accidents:
-        m = _simulated(state, a, g, fmt, accident)
+        m = _simulated(state, a, g, fmt, accident, starved)
         used = np.asarray(m.used)
         for k in range(_N):
             if accident is None:

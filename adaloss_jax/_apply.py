@@ -56,11 +56,14 @@ class Program:
       scaler: the :class:`~adaloss_jax.AdaptiveScale`.
       rounding: the points on a group's outputs (rounded when simulating a format).
       param_owners: the group of each floating parameter leaf.
+      casts: the points on the wide side of a cast (:func:`adaloss_jax._record.mark_casts`):
+        point -> the narrow dtype its cotangent is cast to.
     """
 
     def __init__(self, closed, plan: Plan, scaler, rounding: frozenset,
-                 param_owners: Sequence[str]):
+                 param_owners: Sequence[str], casts: dict | None = None):
         self.closed = closed
+        self.casts = dict(casts or {})
         self.plan = plan
         self.scaler = scaler
         self.rounding = rounding
@@ -131,6 +134,13 @@ class Program:
             if pair[0] is not None:  # else computed from parameters alone: passes as is
                 members.setdefault(pair, []).append(i)
         sites = []
+        if n in self.casts:  # on the wide side of a cast: measured before it narrows
+            lim = float(jnp.finfo(self.casts[n]).max)
+            cfg = _channel.PointConfig(self.columns, convert=False, measure=True,
+                                       y_max=lim, x_max=lim)
+            return [Site(n, tuple(idx), (xa, ya), cfg,
+                         _channel.Row(ya, xa, lim, lim, wide=True))
+                    for (xa, ya), idx in members.items()]
         for (xa, ya), idx in members.items():
             y_max = fmt.max
             if self.scaler.simulate:  # cotangents held in the compute dtype between groups

@@ -230,6 +230,8 @@ class Row(NamedTuple):
     x: tuple[str, ...]  # anchors where it goes
     y_max: float
     x_max: float
+    wide: bool = False  # measured in a wider dtype before a cast narrows it: nothing
+    # it measured was lost where it is stored
 
 
 def _shift_hist(hist: jax.Array, k) -> jax.Array:
@@ -341,7 +343,7 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     flushed, starved = jnp.asarray(False), None
     lost = amax_r == 0
     if fmt_min is not None:
-        stored_in = jnp.asarray([r.x_max == fmt_max for r in rows])
+        stored_in = jnp.asarray([r.x_max == fmt_max and not r.wide for r in rows])
         stored = amax_r * _formats.pow2(sigma_vec[x_set] - sigma_vec[y_set])
         gone = stored_in & (amax_r > 0) & (stored < fmt_min / 2)
         flushed, lost = jnp.any(gone), lost | gone

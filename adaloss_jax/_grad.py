@@ -22,6 +22,7 @@ from adaloss_jax import (
     _decide,
     _formats,
     _groups,
+    _jaxpr,
     _lookup,
     _record,
     _stream,
@@ -158,6 +159,23 @@ def _plan(rec: _record.Recording, scaler: AdaptiveScale, owners: list,
         tuple(map(root, plan.params)))
 
 
+def _root_casts(rec: _record.Recording, scaler: AdaptiveScale, owners: list,
+                stacks: dict) -> _record.Recording:
+    """``rec`` with a point after each cast of the loss that widens a model's output
+    (``logits.astype(jnp.float32)``) in the region holding the loss: it measures the
+    root's cotangent before the cast narrows it, so the root's statistics hold what the
+    cast flushes (or overflows) at its scale, and the rule sets the root's scale from
+    them at once instead of jumping blind."""
+    narrow = {jnp.dtype(jnp.float16), jnp.dtype(scaler.format.dtype)}
+    jaxpr = rec.closed.jaxpr
+    casts = _jaxpr.widening_casts(jaxpr, narrow)
+    if not casts:
+        return rec
+    inside = _stream.in_loss_region(jaxpr, rec.sizes, owners,
+                                    [jaxpr.eqns[i].outvars[0] for i in casts], stacks=stacks)
+    return _record.mark_casts(rec, [i for i, k in zip(casts, inside) if k])
+
+
 def trace(fun, scaler: AdaptiveScale, params, args: tuple, kwargs: dict, hooks=()
           ) -> tuple[_record.Recording, _apply.Program, list[str]]:
     """Records ``fun(params, *args, **kwargs)`` and plans its scale points: the recording,
@@ -174,8 +192,9 @@ def trace(fun, scaler: AdaptiveScale, params, args: tuple, kwargs: dict, hooks=(
     floats = [i for i, x in enumerate(rec.dynamic[:rec.n_params]) if _tree.is_float(x)]
     owners = [_groups.leaf_group(rec.param_paths[i], active, scaler) for i in floats]
     stacks = _groups.stack_lengths(params, scaler)
+    rec = _root_casts(rec, scaler, owners, stacks)
     plan = _plan(rec, scaler, owners, stacks)
-    program = _apply.Program(rec.closed, plan, scaler, rec.rounding, owners)
+    program = _apply.Program(rec.closed, plan, scaler, rec.rounding, owners, rec.casts)
     # A group scanned over as a stack of layers is used as its slots, a scale per layer.
     for g in plan.stacked & active:
         active = (active - {g}) | set(layers(g, stacks[g]))

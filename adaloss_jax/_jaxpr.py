@@ -120,3 +120,23 @@ class Reader:
                                   and len(s.jaxpr.outvars) == n_out for s in subs):
             return COND
         return OPAQUE
+
+
+def widening_casts(jaxpr, narrow, reader: Reader | None = None) -> list[int]:
+    """The equations of ``jaxpr``'s top level that cast a value computed after a scale
+    point from a ``narrow`` float dtype to float32 or float64 (``x.astype(jnp.float32)``
+    on a model's output, in the loss): in the backward pass, where the cotangent is cast
+    down to the narrow dtype. Their indices."""
+    reader = reader or Reader()
+    after: set = set()  # variables computed from a point's outputs
+    found = []
+    for i, eqn in enumerate(jaxpr.eqns):
+        kind = reader.kind(eqn)
+        ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        if kind not in (PLAIN, PARAMS) or any(v in after for v in ins):
+            after.update(eqn.outvars)
+        if (eqn.primitive.name == "convert_element_type" and ins and ins[0] in after
+                and ins[0].aval.dtype in narrow
+                and eqn.outvars[0].aval.dtype.name in ("float32", "float64")):
+            found.append(i)
+    return found

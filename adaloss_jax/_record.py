@@ -20,10 +20,11 @@ import contextlib
 import functools
 import itertools
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any, NamedTuple
 
 import jax
+import jax.extend.core as jcore
 import jax.numpy as jnp
 
 from adaloss_jax import _jaxpr, _tree
@@ -257,6 +258,7 @@ class Recording(NamedTuple):
     calls: list[Call]
     reported: int
     dtypes: frozenset
+    casts: dict = {}  # point n -> the narrow dtype its input was cast from (mark_casts)
 
     def output(self, values: list) -> Any:
         """``fun``'s output, from the values ``closed`` returns."""
@@ -309,3 +311,34 @@ def record(fun: Callable, params: Any, args: tuple, kwargs: dict, selects: Calla
         param_paths=[paths[i] for i in param_dyn], sizes=recorder.sizes,
         rounding=frozenset(recorder.rounding), calls=recorder.calls,
         reported=recorder.reported, dtypes=frozenset(recorder.dtypes))
+
+
+def mark_casts(rec: Recording, at: Sequence[int]) -> Recording:
+    """``rec`` with a scale point of its own after each of the top-level cast equations
+    ``at`` (:func:`adaloss_jax._jaxpr.widening_casts`), numbered after the recorded
+    ones: a point on the wide side of a cast measures the cotangent before it is cast
+    down. Nothing else in the program changes."""
+    if not at:
+        return rec
+    closed = rec.closed
+    jaxpr = closed.jaxpr
+    eqns, sub = [], {}
+    casts = dict(rec.casts)
+    sizes = list(rec.sizes)
+    for i, eqn in enumerate(jaxpr.eqns):
+        eqn = eqn.replace(invars=[sub.get(v, v) if isinstance(v, jcore.Var) else v
+                                  for v in eqn.invars])
+        eqns.append(eqn)
+        if i in at:
+            y = eqn.outvars[0]
+            n = len(sizes)
+            sizes.append(1)
+            casts[n] = jnp.dtype(eqn.invars[0].aval.dtype)
+            aval = jax.ShapeDtypeStruct(y.aval.shape, y.aval.dtype)
+            template = jax.make_jaxpr(_identity(f"{_jaxpr.POINT_PREFIX}{n}"))(aval).jaxpr
+            out = jcore.Var(y.aval)
+            eqns.append(template.eqns[0].replace(invars=[y], outvars=[out]))
+            sub[y] = out
+    outvars = [sub.get(v, v) if isinstance(v, jcore.Var) else v for v in jaxpr.outvars]
+    closed = jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), closed.consts)
+    return rec._replace(closed=closed, sizes=sizes, casts=casts)

@@ -76,7 +76,8 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                   the jump that cannot overflow it)
         s_k     = s_k(previous)  unless total_applied % period == 0
         s_k     = s_k(previous) + blind_jump - ceil(h_k)   if nothing was measured
-                  (at least the global floor if h_k == 0)
+                  (at least the global floor if h_k == 0 and k was not starved: a
+                  cotangent that arrived as zeros says nothing of what k would hold)
                   (all of it flushed: blind_jump = floor(log2 u_max - margin - log2
                   u_min - 1) cannot overflow what was below u_min / 2; held_k is
                   lowered to log2 u_min - 1 - u_k, and below a ceiling c_k the jump
@@ -189,6 +190,10 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     # own boundary statistics are known to miss growth inside it.)
     grown = jnp.where(room > 0, log2 + blind_jump, jnp.maximum(log2 + blind_jump, floor)
                       ) - jnp.ceil(room)
+    if m.starved is not None:  # (other groups' statistics, the floor, say nothing of
+        # values that never reached this one's: at most the jump that cannot overflow)
+        grown = jnp.where(act & m.starved, jnp.minimum(grown, log2 + blind_jump
+                                                       - jnp.ceil(room)), grown)
     # Below a ceiling the blind jump goes halfway to it: the scale lies in between.
     grown = jnp.minimum(grown, jnp.floor((log2 + ceiling) / 2))
     nxt = jnp.where(bad | backs_off, used - drop, jnp.where(amax > 0, target, grown))

@@ -347,30 +347,7 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
     body has anchors per layer, as in the same layers unrolled: a point there gets
     :class:`Steps` where they differ from layer to layer.
     """
-    w = _Walker(param_owners, stacks)
-    w.walk(jaxpr)
-    whole: dict[int, dict] = {}  # n -> {slice or None: per leaf (x key, y key)}
-    for n, occurrences in w.points.items():
-        if not (n < len(sizes) and all(len(p) == sizes[n] for _, p in occurrences)):
-            for _, pairs in occurrences:
-                for x, y in pairs:
-                    w.uf.union([x, y])
-            continue
-        by_ctx: dict = {}
-        for ctx, pairs in occurrences:
-            by_ctx.setdefault(ctx, []).append(pairs)
-        scans = {c[0][0] for c in by_ctx if c}
-        per_layer = (() not in by_ctx and len(scans) == 1
-                     and len(by_ctx) == w.scans[next(iter(scans))][0])
-        groups = list(by_ctx.values()) if per_layer else [[p for ps in by_ctx.values()
-                                                          for p in ps]]
-        for same in groups:  # the same point reached twice (in one layer): one plan
-            for other in same[1:]:
-                for (x0, y0), (x1, y1) in zip(same[0], other):
-                    w.uf.union([x0, x1])
-                    w.uf.union([y0, y1])
-        whole[n] = ({c[0][1]: by_ctx[c][0] for c in by_ctx} if per_layer
-                    else {None: groups[0][0]})
+    w, whole = _walked(jaxpr, sizes, param_owners, stacks)
     find = w.uf.find
 
     def region(v):
@@ -455,3 +432,46 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
     stacked = frozenset(param_owners[j] for j in w.sliced)
     scans = {k: n for k, (n, _) in w.scans.items()}
     return Plan(tuple(points), tuple(params), stacked, scans)
+
+
+def _walked(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None], stacks
+            ) -> tuple[_Walker, dict[int, dict]]:
+    """The walked program (its regions in ``uf``) and, per point held as recorded, its
+    pairs of keys per occurrence (by layer along a stack)."""
+    w = _Walker(param_owners, stacks)
+    w.walk(jaxpr)
+    whole: dict[int, dict] = {}  # n -> {slice or None: per leaf (x key, y key)}
+    for n, occurrences in w.points.items():
+        if not (n < len(sizes) and all(len(p) == sizes[n] for _, p in occurrences)):
+            for _, pairs in occurrences:
+                for x, y in pairs:
+                    w.uf.union([x, y])
+            continue
+        by_ctx: dict = {}
+        for ctx, pairs in occurrences:
+            by_ctx.setdefault(ctx, []).append(pairs)
+        scans = {c[0][0] for c in by_ctx if c}
+        per_layer = (() not in by_ctx and len(scans) == 1
+                     and len(by_ctx) == w.scans[next(iter(scans))][0])
+        groups = list(by_ctx.values()) if per_layer else [[p for ps in by_ctx.values()
+                                                          for p in ps]]
+        for same in groups:  # the same point reached twice (in one layer): one plan
+            for other in same[1:]:
+                for (x0, y0), (x1, y1) in zip(same[0], other):
+                    w.uf.union([x0, x1])
+                    w.uf.union([y0, y1])
+        whole[n] = ({c[0][1]: by_ctx[c][0] for c in by_ctx} if per_layer
+                    else {None: groups[0][0]})
+    return w, whole
+
+
+def in_loss_region(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
+                   candidates: Sequence, loss_index: int = 0, stacks=None) -> list[bool]:
+    """For each of ``candidates`` (variables of the jaxpr's top level): whether it lies
+    in the region holding the loss (anchored by the root alone, :func:`analyse`)."""
+    w, _ = _walked(jaxpr, sizes, param_owners, stacks)
+    loss = jaxpr.outvars[loss_index]
+    if not _var(loss):
+        return [False] * len(candidates)
+    r = w.uf.find(loss)
+    return [_var(v) and w.uf.find(v) is r for v in candidates]

@@ -146,6 +146,33 @@ MUTATIONS = {
         ["tests/test_live.py", "tests/test_channel.py"],
         "a first same-step choice keeps no room for its kernel gradient's sum over rows: "
         "step 1 overflows it"),
+    "root-cast-unmeasured": (
+        "adaloss_jax/_grad.py",
+        "    casts = _jaxpr.widening_casts(jaxpr, narrow)",
+        "    casts = []",
+        ["tests/test_live.py"],
+        "the root's cotangent is measured only after the loss casts it down: in the tiny "
+        "regime it flushes there, the root jumps blind, and step 1 is skipped too"),
+    "every-cast-measured": (
+        "adaloss_jax/_grad.py",
+        "    return _record.mark_casts(rec, [i for i, k in zip(casts, inside) if k])",
+        "    return _record.mark_casts(rec, casts)",
+        ["tests/test_live.py"],
+        "casts inside modules (a LayerNorm's, attention scores') get a root point too"),
+    "wide-row-counted-as-stored": (
+        "adaloss_jax/_channel.py",
+        "        stored_in = jnp.asarray([r.x_max == fmt_max and not r.wide for r in rows])",
+        "        stored_in = jnp.asarray([r.x_max == fmt_max for r in rows])",
+        ["tests/test_live.py"],
+        "the root's fp32 measurement before the cast is taken for a value flushed where "
+        "it is stored: the root is capped as starved"),
+    "starved-blind-group-lifted-to-floor": (
+        "adaloss_jax/_rule.py",
+        "        grown = jnp.where(act & m.starved, jnp.minimum(grown, log2 + blind_jump\n",
+        "        grown = jnp.where(False, jnp.minimum(grown, log2 + blind_jump\n",
+        ["tests/test_rule.py"],
+        "a group that measured nothing because its cotangent arrived as zeros is lifted to "
+        "the floor other groups' statistics set, and overflows there"),
     "starved-group-rises-freely": (
         "adaloss_jax/_rule.py",
         "    if m.starved is not None:  # (values lost below u_min / 2 may be its largest)",

@@ -8,6 +8,7 @@ import functools
 import math
 import re
 
+import _models
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -756,9 +757,9 @@ class _DeadBranch(nn.Module):
 
 def test_a_module_whose_output_reaches_nothing_keeps_its_planned_scale():
     """A decider the backward pass never reaches (its module's output unused): its region
-    stays at the rule's scale, as the other points of the region read it, and the steps
-    are applied (found by the random NNX graphs: a dead region reported at scale 1 made
-    the rule skip every step, asking for the plan it never got)."""
+    stays at the plan's scale, as the other points of the region read it, and the steps
+    after the first are applied (found by the random NNX graphs: a dead region reported
+    at scale 1 made the rule skip every step, asking for the plan it never got)."""
     model = _DeadBranch()
     x = jax.random.normal(jax.random.key(0), (8, 4))
     params = model.init(jax.random.key(1), x)["params"]
@@ -767,13 +768,17 @@ def test_a_module_whose_output_reaches_nothing_keeps_its_planned_scale():
         out = model.apply({"params": p}, x).astype(jnp.float32)
         return jnp.mean((out - y) ** 2) * 2.0**-16
 
-    step, state = _grads_through(alj.adaptive(groups="module"), loss_fn, params, (x,))
+    step, state = _grads_through(alj.adaptive(groups="module", retries=0), loss_fn, params,
+                                 (x,))
     y = jnp.zeros((8, 2))
+    applied = []
     for _ in range(3):
+        planned = float(state[0].log2_scales["dead"])
         grads, state, stats = step(state, params, x, y)
-        assert bool(state[0].last_applied)
-        assert float(stats.log2_scales["dead"]) == float(state[0].log2_scales["dead"])
+        applied.append(bool(state[0].last_applied))
+        assert float(stats.log2_scales["dead"]) == planned
         assert float(stats.log2_scales["first"]) > 0  # the live groups decide
+    assert applied[1:] == [True, True]  # (step 0 ran at scale 1: the root's far below)
     assert not np.any(np.asarray(grads["dead"]["kernel"]))
     ref = jax.grad(loss_fn)(params, x, y)
     assert_fp32_trees_close(grads["first"], ref["first"], rtol=2e-2)
@@ -837,3 +842,72 @@ def test_a_scanned_gpt_whose_cotangents_flush_in_e4m3_skips_only_step_0():
     skipped = _warm_up_skips(GPT(layers=1, scan=True), tokens[:, :-1], tokens[:, 1:],
                              "float8_e4m3fn")
     assert skipped == [0]
+
+
+@pytest.mark.parametrize("grad_dtype", ["float16", "float8_e4m3fn"])
+def test_the_root_is_measured_before_the_loss_casts_its_cotangent_down(grad_dtype):
+    """A loss x 2^-30 (below the bench's tiny regime): at scale 1 the logits' cotangent
+    flushes where the loss casts it down to float16, before any module's point sees it.
+    A point on the cast's float32 side measures it there, so the root's statistics
+    after step 0 hold the fp32 amax of d loss / d logits, and only step 0 is skipped
+    (measuring nothing, the root jumped blind and step 1 was skipped too)."""
+    from adaloss_jax.flax import TrainState, linen_train_step
+
+    model = _models.MLP(depth=3, width=32)
+    x = jax.random.normal(jax.random.key(0), (64, 16))
+    y = jax.random.randint(jax.random.key(1), (64,), 0, 4)
+    params = model.init(jax.random.key(2), x)["params"]
+
+    def tiny(logits):
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits.astype(jnp.float32), y)
+        return ce.mean() * 2.0**-30
+
+    scaler = alj.adaptive(groups="module", grad_dtype=grad_dtype, retries=0,
+                          simulate=grad_dtype != "float16")
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
+                              scaler=scaler)
+    step = jax.jit(lambda s: linen_train_step(
+        s, lambda p, x: tiny(model.apply({"params": p}, x)), x))
+    skipped = []
+    for i in range(4):
+        state, _ = step(state)
+        st = alj.scale_state(state)
+        if i == 0 and grad_dtype == "float16":
+            logits = model.apply({"params": params}, x)
+            want = jnp.log2(jnp.max(jnp.abs(jax.grad(tiny)(logits.astype(jnp.float32)))))
+            assert float(want) < -25  # below fp16's smallest subnormal: flushed at the cast
+            assert float(st.log2_amax[""]) == pytest.approx(float(want), abs=1e-5)
+        if not bool(st.last_applied):
+            skipped.append(i)
+    assert skipped == [0]
+
+
+def test_only_casts_of_the_loss_region_get_a_point():
+    """The attention block casts inside a module (its scores, LayerNorm's statistics) and
+    its loss casts the logits and, to add them, the input data: only the logits' cast,
+    the one the root's cotangent narrows at, is measured."""
+    from adaloss_jax import _grad
+
+    model = _AttnBlock()
+    x = jax.random.normal(jax.random.key(0), (4, 8, 16)).astype(jnp.float16)
+    y = jax.random.randint(jax.random.key(1), (4, 8), 0, 10)
+    params = model.init(jax.random.key(2), x)["params"]
+
+    def loss_fn(p, x, y):
+        logits = model.apply({"params": p}, x).astype(jnp.float32)
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return ce + 0.0 * jnp.sum(x.astype(jnp.float32))
+
+    rec, _, _ = _grad.trace(loss_fn, alj.adaptive(groups="module"), params, (x, y), {})
+    assert [jnp.dtype(d).name for d in rec.casts.values()] == ["float16"]
+    cast = next(e for e in rec.closed.jaxpr.eqns
+                if e.primitive.name == "convert_element_type"
+                and any(v is e.outvars[0] for p in rec.closed.jaxpr.eqns
+                        if _point_of(p) in rec.casts for v in p.invars))
+    assert cast.outvars[0].aval.shape == (4, 8, 10)  # the logits'
+
+
+def _point_of(eqn):
+    from adaloss_jax import _jaxpr
+
+    return _jaxpr.point_number(eqn)

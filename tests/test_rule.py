@@ -166,6 +166,24 @@ def test_a_starved_group_rises_at_most_by_the_jump_that_cannot_overflow_what_it_
     assert _scales(starved) == [_scales(fed)[0], 10.0 + jump, _scales(fed)[2]]
 
 
+def test_a_starved_group_that_measured_nothing_is_not_lifted_to_the_floor():
+    """The root measured 2**-40 at unit scale (before a cast flushed it: the global floor
+    is 51); a and b measured nothing because what reached them arrived as zeros: their
+    values are unknown, not below the root's, so each jumps blind from 10 (34 binades
+    for fp16), not up to the floor. Not starved (everything it received was measured,
+    all below u_min / 2) a group still rises to the floor (the byte GPT in e4m3 at a
+    loss x 2^-20: lifted to the root's floor, its LayerNorms overflowed at step 1)."""
+    state = _state(max_rise=100, decay=math.inf)
+    unit = [-40.0, None, None]
+    jump = math.floor(LOG2_MAX - 4 + 24 - 1)
+    floor = math.floor(LOG2_MAX - 4 + 40.0)
+    assert floor > 10 + jump
+    fed = adjust(state, _measured(state, unit))
+    assert _scales(fed)[1:] == [floor, floor]
+    starved = adjust(state, _measured(state, unit, starved=jnp.asarray([False, True, True])))
+    assert _scales(starved) == [floor, 10.0 + jump, 10.0 + jump]
+
+
 def test_nonfinite_parameter_gradients_nobody_explains_blame_their_group():
     state = _state(max_rise=100)
     m = _measured(state, [-20.0, -12.0, np.inf], param_nonfinite=(False, False, True))

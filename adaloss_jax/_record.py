@@ -322,7 +322,7 @@ def mark_casts(rec: Recording, at: Sequence[int]) -> Recording:
         return rec
     closed = rec.closed
     jaxpr = closed.jaxpr
-    eqns, sub = [], {}
+    eqns, sub, at = [], {}, frozenset(at)
     casts = dict(rec.casts)
     sizes = list(rec.sizes)
     for i, eqn in enumerate(jaxpr.eqns):

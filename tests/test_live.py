@@ -26,6 +26,9 @@ from test_jax_transformations import (
     FRONT_ENDS,
     INSIDE,
     PROPERTY,
+    _around,
+    _jax_model,
+    _x,
     build,
     unscaled_through_optimizer,
 )
@@ -911,3 +914,21 @@ def _point_of(eqn):
     from adaloss_jax import _jaxpr
 
     return _jaxpr.point_number(eqn)
+
+
+@pytest.mark.parametrize("around", AROUND)
+def test_the_loss_cast_is_measured_around_every_transformation(around):
+    """The model under vmap, remat, a nested jit, cond or shard_map (typed or not), its
+    fp16 output cast to float32 by the loss (x 2^-30: at scale 1 it all flushes in the
+    cast): the root's statistics of the first pass are the fp32 amax of the loss's
+    cotangent at the cast, however the model is wrapped."""
+    tiny = 2.0**-30
+    scaler = alj.adaptive(groups="module", retries=0)
+    case = build("jax", around, "none", jnp.float16, scaler, tiny=tiny)
+    _, _, stats = case.grads(case.state)
+    params, apply = _jax_model("none", jnp.float16)
+    out = _around(around, functools.partial(apply, params))(_x(jnp.float32))
+    ct = jax.grad(lambda o: jnp.mean(o**2) * tiny)(out.astype(jnp.float32))
+    want = float(jnp.log2(jnp.max(jnp.abs(ct))))
+    assert want < -25  # below fp16's smallest subnormal: lost in the cast
+    assert float(jnp.log2(stats.amax[""])) == pytest.approx(want, abs=1e-5)

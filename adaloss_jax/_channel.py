@@ -337,21 +337,51 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     bad_v = jax.ops.segment_max(started[jnp.asarray(p_set)].astype(jnp.int32),
                                 jnp.asarray(p_grp), ng) > 0
     # A row stored in the scaler's format (where it rounds, or where the model computes
-    # in it) that arrived non-zero and flushed entirely there: one scale lost it. The
-    # groups it went to are starved (and so is every group a row reached as zeros): what
-    # was lost, and all computed from it, is missing from their statistics.
-    flushed, starved = jnp.asarray(False), None
+    # in it) that arrived non-zero and flushed entirely there: one scale lost it, the one
+    # it was converted to. A row that arrived as zeros lost it upstream, nearest at the
+    # scale it arrived at. The groups it went to are starved: what was lost, and all
+    # computed from it, is missing from their statistics; lost_at is the lowest of those
+    # scales (what was lost lay below u_min / 2 there).
+    flushed, lost_at, lost_amax = jnp.asarray(False), None, None
     lost = amax_r == 0
     if fmt_min is not None:
         stored_in = jnp.asarray([r.x_max == fmt_max and not r.wide for r in rows])
         stored = amax_r * _formats.pow2(sigma_vec[x_set] - sigma_vec[y_set])
         gone = stored_in & (amax_r > 0) & (stored < fmt_min / 2)
         flushed, lost = jnp.any(gone), lost | gone
-        starved = vec(jax.ops.segment_max(any_of(lost, x_set)[jnp.asarray(p_set)].astype(
-            jnp.int32), jnp.asarray(p_grp), ng) > 0)
+        at_row = jnp.where(lost, jnp.where(gone, sigma_vec[x_set], sigma_vec[y_set]),
+                           jnp.inf)
+        per_group = lambda per_set, op: vec(op(per_set[jnp.asarray(p_set)],
+                                               jnp.asarray(p_grp), ng))
+        lost_at = per_group(jax.ops.segment_min(at_row, x_set, ns), jax.ops.segment_min)
+        lost_amax = per_group(_lost_amax(rows, amax_r, gone, sigma_vec[y_set], x_set, y_set,
+                                         ns, fmt_max), jax.ops.segment_max)
     return ScaleStats(used, vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
                       sumsq=sumsq, count=count, hist=hist, flushed=flushed,
-                      starved=starved)
+                      lost_at=lost_at, lost_amax=lost_amax)
+
+
+def _lost_amax(rows, amax_r, gone, sigma_y, x_set, y_set, ns: int, fmt_max: float):
+    """Per anchor set, log2 of the largest value (at unit scale, in units of the
+    format) that was measured before it was lost on its way into the set: where it
+    flushed entirely (that row's own amax), where it was measured on the wide side of a
+    cast (it flushes at the cast), and, along rows that arrived as zeros, whatever their
+    own side had lost; -inf where nothing was. A fixed point over the rows: a handful of
+    passes, as many as the longest chain of regions that received only zeros."""
+    lim = jnp.asarray([fmt_max / min(r.y_max, r.x_max) for r in rows], jnp.float32)
+    wide = jnp.asarray([r.wide for r in rows])
+    unit = jnp.log2(jnp.where(amax_r > 0, amax_r, 1.0) * lim) - sigma_y
+    seen = jax.ops.segment_max(jnp.where((gone | wide) & (amax_r > 0), unit, -jnp.inf),
+                               x_set, ns)
+    zero = amax_r == 0
+
+    def spread(carry):
+        now, _ = carry
+        came = jax.ops.segment_max(jnp.where(zero, now[y_set], -jnp.inf), x_set, ns)
+        return jnp.maximum(now, came), now
+
+    return jax.lax.while_loop(lambda c: jnp.any(c[0] != c[1]), spread,
+                              spread((seen, seen)))[0]
 
 
 # ------------------------------------------------------------------ same-step scales

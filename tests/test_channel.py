@@ -4,6 +4,8 @@ statistics."""
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -89,25 +91,29 @@ def test_columns(sumsq, hist):
 
 def test_decode_marks_groups_starved_by_a_flushed_or_zero_cotangent():
     """Row 0 leaves a's scale (0) for the root's (-3) stored in fp16: 2**-23 becomes
-    2**-26, below half of fp16's smallest value, so it flushed and the root, which
-    computes from it, is starved; row 1 arrived in b as zeros (b is starved, nothing
-    flushed); row 2 fits. Without the format's smallest value nothing is judged."""
+    2**-26, below half of fp16's smallest value, so it flushed there and the root, which
+    computes from it, is starved, lost at its own -3; row 1 arrived in b as zeros (b is
+    starved at 0, nothing flushed); row 3 arrived as zeros from c (at 5) into a: a is
+    starved at 5, where they arrived; row 2 fits. Without the format's smallest value
+    nothing is judged."""
     cols = _channel.Columns(sumsq=False, hist_lo=None)
     rows = [_channel.Row(y=("a",), x=("",), y_max=FP16, x_max=FP16),
             _channel.Row(y=("b",), x=("b",), y_max=FP16, x_max=FP16),
-            _channel.Row(y=("c",), x=("c",), y_max=FP16, x_max=FP16)]
-    values = [jnp.asarray([2.0**-23, 0.0, 0.0]), jnp.zeros(3), jnp.asarray([1.0, 0.0, 0.0])]
+            _channel.Row(y=("c",), x=("c",), y_max=FP16, x_max=FP16),
+            _channel.Row(y=("c",), x=("a",), y_max=FP16, x_max=FP16)]
+    values = [jnp.asarray([2.0**-23, 0.0, 0.0]), jnp.zeros(3), jnp.asarray([1.0, 0.0, 0.0]),
+              jnp.zeros(3)]
     groups = ("", "a", "b", "c")
-    used = GroupVector(groups, jnp.asarray([-3.0, 0.0, 0.0, 0.0]), split=True)
+    used = GroupVector(groups, jnp.asarray([-3.0, 0.0, 0.0, 5.0]), split=True)
     stats = _channel.decode(rows, values, used, cols, FP16, fmt_min=2.0**-24)
-    assert [bool(stats.starved[g]) for g in groups] == [True, False, True, False]
+    assert [float(stats.lost_at[g]) for g in groups] == [-3.0, 5.0, 0.0, math.inf]
     assert bool(stats.flushed)
     # At the root's scale -1 the same value is stored as 2**-24: kept.
-    used = GroupVector(groups, jnp.asarray([-1.0, 0.0, 0.0, 0.0]), split=True)
+    used = GroupVector(groups, jnp.asarray([-1.0, 0.0, 0.0, 5.0]), split=True)
     stats = _channel.decode(rows, values, used, cols, FP16, fmt_min=2.0**-24)
-    assert [bool(stats.starved[g]) for g in groups] == [False, False, True, False]
+    assert [float(stats.lost_at[g]) for g in groups] == [math.inf, 5.0, 0.0, math.inf]
     assert not bool(stats.flushed)
-    assert _channel.decode(rows, values, used, cols, FP16).starved is None
+    assert _channel.decode(rows, values, used, cols, FP16).lost_at is None
 
 
 @pytest.mark.parametrize("shapes,bits", [([(5, 3)], 3), ([(4, 8, 3), (2, 7)], 5),
@@ -130,3 +136,29 @@ def test_a_first_choice_keeps_room_for_the_sum_over_64_rows_at_most_reserve(rese
     assert float(first) == 21 - min(6, reserve) and float(delta) == float(first) - 3
     known, _ = _channel.decide(amax, cts, 0.0, jnp.asarray([0.0, 100.0, 3.0]), cfg)
     assert float(known) == 21
+
+
+def test_decode_carries_what_was_measured_before_it_was_lost_along_rows_of_zeros():
+    """The root measured 2**-30 on the wide (float32) side of a cast (row 0) and the cast
+    flushed it: a received zeros from the root (row 1) and b zeros from a (row 2), so
+    both lost what the root measured: their lost_amax is its log2 (-30 at the root's
+    scale 0, in fp16's units). c flushed 2**-25 arriving from d at -2 (row 3: stored at
+    c's -3 as 2**-26): its own lost value, -23 at unit scale. d lost nothing.
+    Rows in another order give the same answer (a fixed point, not one pass)."""
+    cols = _channel.Columns(sumsq=False, hist_lo=None)
+    rows = [_channel.Row(y=("",), x=("",), y_max=FP16, x_max=FP16, wide=True),
+            _channel.Row(y=("",), x=("a",), y_max=FP16, x_max=FP16),
+            _channel.Row(y=("a",), x=("b",), y_max=FP16, x_max=FP16),
+            _channel.Row(y=("d",), x=("c",), y_max=FP16, x_max=FP16)]
+    values = [jnp.asarray([2.0**-30, 0.0, 0.0]), jnp.zeros(3), jnp.zeros(3),
+              jnp.asarray([2.0**-25, 0.0, 0.0])]
+    groups = ("", "a", "b", "c", "d")
+    used = GroupVector(groups, jnp.asarray([0.0, 4.0, 8.0, -3.0, -2.0]), split=True)
+    want = [-30.0, -30.0, -30.0, -23.0, -math.inf]
+    stats = _channel.decode(rows, values, used, cols, FP16, fmt_min=2.0**-24)
+    assert [float(stats.lost_amax[g]) for g in groups] == pytest.approx(want, abs=1e-4)
+    order = [2, 3, 1, 0]
+    stats = _channel.decode([rows[i] for i in order], [values[i] for i in order], used,
+                            cols, FP16, fmt_min=2.0**-24)
+    assert [float(stats.lost_amax[g]) for g in groups] == pytest.approx(want, abs=1e-4)
+    assert _channel.decode(rows, values, used, cols, FP16).lost_amax is None

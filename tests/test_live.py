@@ -801,7 +801,7 @@ class _AttnBlock(nn.Module):
         return nn.Dense(10, dtype=jnp.float16)(x)
 
 
-def _warm_up_skips(model, x, y, grad_dtype, steps=5):
+def _warm_up_skips(model, x, y, grad_dtype, steps=5, loss_scale=1.0):
     """The steps skipped from the default initial scale with nothing moving (SGD(0)),
     the rule alone (``retries=0``)."""
     from adaloss_jax.flax import TrainState, linen_train_step
@@ -810,7 +810,7 @@ def _warm_up_skips(model, x, y, grad_dtype, steps=5):
 
     def loss_fn(p, x, y):
         logits = model.apply({"params": p}, x).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() * loss_scale
 
     scaler = alj.adaptive(groups="module", grad_dtype=grad_dtype, retries=0,
                           simulate=grad_dtype != "float16")
@@ -844,6 +844,28 @@ def test_a_scanned_gpt_whose_cotangents_flush_in_e4m3_skips_only_step_0():
     tokens = jax.random.randint(jax.random.key(0), (16, 64), 0, 256)
     skipped = _warm_up_skips(GPT(layers=1, scan=True), tokens[:, :-1], tokens[:, 1:],
                              "float8_e4m3fn")
+    assert skipped == [0]
+
+
+@pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
+def test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_only_step_0(scan):
+    """The bench's byte GPT (one block, tied head) in e4m3 with its loss x 2^-20, as in
+    the bench's tiny regime: at step 0 the logits' cotangent flushes where the loss casts
+    it down, so every module receives zeros and the root, measured only on the cast's
+    float32 side, is starved (what reached the embedding's end of its region was lost).
+    Its jump lands that measured value at e4m3's smallest normal, leaving the range above
+    for the tied head's kernel gradient (13 binades larger: a sum over 1024 tokens), so
+    step 1 is applied; jumping by the blind jump alone, the cast flushed it again and
+    step 1 was skipped too. Every group downstream received only zeros, computed from
+    that value: each starts where it too would land at the smallest normal (the scanned
+    stack's final LayerNorm, which cannot choose its scale in the backward pass, was
+    left at the blind jump, its cotangent flushed at step 1 again)."""
+    from adaloss_jax.bench._models import GPT
+
+    tokens = jax.random.randint(jax.random.key(0), (16, 65), 0, 256)
+    skipped = _warm_up_skips(GPT(layers=1, d_model=64, heads=4, context=64, scan=scan),
+                             tokens[:, :-1], tokens[:, 1:], "float8_e4m3fn", steps=3,
+                             loss_scale=2.0**-20)
     assert skipped == [0]
 
 

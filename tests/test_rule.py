@@ -383,9 +383,11 @@ _N = 4  # the root and three module groups
 _RULE_EXAMPLES = 150 if __import__("os").environ.get("CI") else 40
 
 
-def _simulated(state, a, g, fmt, accident=None, starved=None):
+def _simulated(state, a, g, fmt, accident=None, starved=None, knows=None):
     """The statistics of one step of the hidden model at the state's scales (``starved``:
-    the groups flagged starved, e.g. a consumer whose cotangent arrives as zeros)."""
+    the groups flagged starved, e.g. a consumer whose cotangent arrives as zeros, lost
+    at its own scale; ``knows``: those of them told the largest value lost, its entry's
+    amax, as a cast's float32 side measures it)."""
     log2_max, log2_min = _FORMATS[fmt]
     s = np.asarray(state.log2_scales.array, np.float64)
     amax, bad = np.zeros(_N, np.float32), np.zeros(_N, bool)
@@ -408,7 +410,10 @@ def _simulated(state, a, g, fmt, accident=None, starved=None):
                           grads_finite=jnp.asarray(bool(np.all(np.isfinite(amax)))),
                           loss_finite=jnp.asarray(loss_finite),
                           lost_at=None if starved is None else jnp.where(
-                              jnp.asarray(starved), jnp.asarray(s, jnp.float32), INF))
+                              jnp.asarray(starved), jnp.asarray(s, jnp.float32), INF),
+                          lost_amax=None if knows is None else jnp.where(
+                              jnp.asarray(starved) & jnp.asarray(knows),
+                              jnp.asarray(a, jnp.float32), -INF))
 
 
 def _random_state(data, fmt):
@@ -458,6 +463,7 @@ def test_from_any_state_the_rule_applies_a_step_soon_and_never_returns_to_an_ove
     accidents = data.draw(st.lists(st.sampled_from([None] * 6 + ["data", "forward"]),
                                    min_size=60, max_size=60), label="accidents")
     starved = data.draw(st.lists(st.booleans(), min_size=_N, max_size=_N), label="starved")
+    knows = data.draw(st.lists(st.booleans(), min_size=_N, max_size=_N), label="knows")
     adjust_ = _adjust_for(fmt)
     # Scales drawn up to 48 binades above any that fits, backing off log2(factor) = 4
     # a step, then a step or two to learn headroom: 16 (the most seen in 1500 examples: 13).
@@ -465,7 +471,7 @@ def test_from_any_state_the_rule_applies_a_step_soon_and_never_returns_to_an_ove
     since, worst = 0, 0
     overflowed_at = [math.inf] * _N
     for accident in accidents:
-        m = _simulated(state, a, g, fmt, accident, starved)
+        m = _simulated(state, a, g, fmt, accident, starved, knows)
         used = np.asarray(m.used)
         for k in range(_N):
             if accident is None:

@@ -337,28 +337,24 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     bad_v = jax.ops.segment_max(started[jnp.asarray(p_set)].astype(jnp.int32),
                                 jnp.asarray(p_grp), ng) > 0
     # A row stored in the scaler's format (where it rounds, or where the model computes
-    # in it) that arrived non-zero and flushed entirely there: one scale lost it, the one
-    # it was converted to. A row that arrived as zeros lost it upstream, nearest at the
-    # scale it arrived at. The groups it went to are starved: what was lost, and all
-    # computed from it, is missing from their statistics; lost_at is the lowest of those
-    # scales (what was lost lay below u_min / 2 there).
-    flushed, lost_at, lost_amax = jnp.asarray(False), None, None
+    # in it) that arrived non-zero and flushed entirely there: one scale lost it. The
+    # groups it went to are starved (and so is every group a row reached as zeros): what
+    # was lost, and all computed from it, is missing from their statistics.
+    flushed, starved, lost_amax = jnp.asarray(False), None, None
     lost = amax_r == 0
     if fmt_min is not None:
         stored_in = jnp.asarray([r.x_max == fmt_max and not r.wide for r in rows])
         stored = amax_r * _formats.pow2(sigma_vec[x_set] - sigma_vec[y_set])
         gone = stored_in & (amax_r > 0) & (stored < fmt_min / 2)
         flushed, lost = jnp.any(gone), lost | gone
-        at_row = jnp.where(lost, jnp.where(gone, sigma_vec[x_set], sigma_vec[y_set]),
-                           jnp.inf)
-        per_group = lambda per_set, op: vec(op(per_set[jnp.asarray(p_set)],
-                                               jnp.asarray(p_grp), ng))
-        lost_at = per_group(jax.ops.segment_min(at_row, x_set, ns), jax.ops.segment_min)
-        lost_amax = per_group(_lost_amax(rows, amax_r, gone, sigma_vec[y_set], x_set, y_set,
-                                         ns, fmt_max), jax.ops.segment_max)
+        starved = vec(jax.ops.segment_max(any_of(lost, x_set)[jnp.asarray(p_set)].astype(
+            jnp.int32), jnp.asarray(p_grp), ng) > 0)
+        lost_amax = vec(jax.ops.segment_max(
+            _lost_amax(rows, amax_r, gone, sigma_vec[y_set], x_set, y_set, ns, fmt_max)[
+                jnp.asarray(p_set)], jnp.asarray(p_grp), ng))
     return ScaleStats(used, vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
                       sumsq=sumsq, count=count, hist=hist, flushed=flushed,
-                      lost_at=lost_at, lost_amax=lost_amax)
+                      starved=starved, lost_amax=lost_amax)
 
 
 def _lost_amax(rows, amax_r, gone, sigma_y, x_set, y_set, ns: int, fmt_max: float):

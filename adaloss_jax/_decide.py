@@ -118,8 +118,9 @@ def measured(state: AdaptiveScaleState, stats: ScaleStats, p_amax, loss,
                      jax.lax.psum, axis_name),
         flushed=None if stats.flushed is None else over_devices(
             stats.flushed.astype(jnp.int32), jax.lax.pmax, axis_name) > 0,
-        lost_at=None if stats.lost_at is None else over_devices(
-            full(stats.lost_at, jnp.inf, jnp.float32), jax.lax.pmin, axis_name),
+        starved=None if stats.starved is None else over_devices(
+            full(stats.starved, False, jnp.bool_).astype(jnp.int32), jax.lax.pmax,
+            axis_name) > 0,
         lost_amax=None if stats.lost_amax is None else over_devices(
             full(stats.lost_amax, -jnp.inf, jnp.float32), jax.lax.pmax, axis_name))
 

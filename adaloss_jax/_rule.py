@@ -38,9 +38,8 @@ class Measured(NamedTuple):
       hist: ``(groups, NBINS)`` binade histogram (``statistic="quantile"``).
       flushed: bool scalar, a cotangent arrived non-zero and flushed entirely where
         it is stored.
-      lost_at: per group, the lowest log2 scale at which a cotangent on its way into it
-        arrived zero or flushed entirely where it is stored (inf: none; the group is
-        starved where it is finite).
+      starved: bool, per group: a cotangent on its way into it arrived zero, or
+        non-zero and flushed entirely where it is stored.
       lost_amax: per group, log2 of the largest value at unit scale measured before it
         was lost on its way into the group (-inf: none).
     """
@@ -56,7 +55,7 @@ class Measured(NamedTuple):
     count: jax.Array | None = None
     hist: jax.Array | None = None
     flushed: jax.Array | None = None
-    lost_at: jax.Array | None = None
+    starved: jax.Array | None = None
     lost_amax: jax.Array | None = None
 
 
@@ -74,19 +73,19 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                   # "gaussian"
         s_k     = min(s_k, min{q : #{|x| 2**q < 2 u_min} <= T * n_k})   # "quantile": the
                   n_k non-zero values of the histogram (no answer if its tail is cut off)
-        s_k     = min(s_k, max(l_k + blind_jump, ceil(log2 n_min - log2 L_k)))
+        s_k     = min(s_k, max(u_k + blind_jump, ceil(log2 n_min - log2 L_k)))
                   if k was starved: a cotangent on its way into k flushed entirely or
-                  arrived zero, l_k the lowest scale at which one was lost (what was
-                  lost below u_min / 2 there, and all computed from it, is missing from
-                  its statistics: the jump that cannot overflow it), but never so low
-                  that a value measured before it was lost would flush again: L_k =
-                  max(A_k, the largest such value upstream (lost_amax): measured on the
-                  wide side of a cast, or where it flushed) lands at n_min, the
-                  smallest normal, the range above left for the growth nobody measured
+                  arrived zero (what was lost below u_min / 2, and all computed from it,
+                  is missing from its statistics: the jump that cannot overflow it),
+                  but never so low that a value measured before it was lost would
+                  flush again: L_k = max(A_k, the largest such value upstream
+                  (lost_amax): measured on the wide side of a cast, or where it
+                  flushed) lands at n_min, the smallest normal, the range above left
+                  for the growth nobody measured
         s_k     = s_k(previous)  unless total_applied % period == 0
         s_k     = s_k(previous) + blind_jump - ceil(h_k)   if nothing was measured
-                  (starved: at most max(l_k + blind_jump, ceil(log2 n_min - log2 L_k))
-                  - ceil(h_k))
+                  (starved: at most max(s_k(previous) + blind_jump, ceil(log2 n_min -
+                  log2 L_k)) - ceil(h_k))
                   (at least the global floor if h_k == 0 and k was not starved: a
                   cotangent that arrived as zeros says nothing of what k would hold)
                   (all of it flushed: blind_jump = floor(log2 u_max - margin - log2
@@ -189,15 +188,16 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     if m.hist is not None:
         target = jnp.minimum(target, _quantile(m.hist, used, cfg))
     blind_jump = math.floor(log2_max - cfg.margin - math.log2(fmt.min_subnormal) - 1)
-    starved = None if m.lost_at is None else act & (m.lost_at < jnp.inf)
-    if starved is not None:  # (values lost below u_min / 2 may be its largest) ...
-        # ... but what was measured before it was lost never flushes again: it lands at
-        # the smallest normal, the range above left for the growth nobody measured.
-        known = unit if m.lost_amax is None else jnp.maximum(unit, m.lost_amax)
-        lowest = jnp.where(known > -jnp.inf,
-                           jnp.ceil(math.log2(fmt.min_normal) - known), -jnp.inf)
-        cap = jnp.maximum(m.lost_at + blind_jump, lowest)
-        target = jnp.where(starved, jnp.minimum(target, cap), target)
+    # A starved group's jump never leaves what was measured before it was lost where it
+    # flushes again: it lands at the smallest normal, the range above left for the
+    # growth nobody measured.
+    known = unit if m.lost_amax is None else jnp.maximum(unit, m.lost_amax)
+    lowest = jnp.where(known > -jnp.inf, jnp.ceil(math.log2(fmt.min_normal) - known),
+                       -jnp.inf)
+    starved = None if m.starved is None else act & m.starved
+    if starved is not None:  # (values lost below u_min / 2 may be its largest)
+        target = jnp.where(starved, jnp.minimum(target, jnp.maximum(used + blind_jump,
+                                                                    lowest)), target)
     if cfg.period > 1:
         target = jnp.where(recompute, target, log2)
 
@@ -210,7 +210,8 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                       ) - jnp.ceil(room)
     if starved is not None:  # (other groups' statistics, the floor, say nothing of
         # values that never reached this one's: at most the jump that cannot overflow)
-        grown = jnp.where(starved, jnp.minimum(grown, cap - jnp.ceil(room)), grown)
+        grown = jnp.where(starved, jnp.minimum(grown, jnp.maximum(log2 + blind_jump, lowest)
+                                               - jnp.ceil(room)), grown)
     # Below a ceiling the blind jump goes halfway to it: the scale lies in between.
     grown = jnp.minimum(grown, jnp.floor((log2 + ceiling) / 2))
     nxt = jnp.where(bad | backs_off, used - drop, jnp.where(amax > 0, target, grown))

@@ -162,12 +162,10 @@ class ScaleStats:
       nonfinite: whether any measured value or conversion was not finite.
       flushed: whether a cotangent arrived at a scale point non-zero and flushed
         entirely where it is stored, below half of ``grad_dtype``'s smallest value.
-      lost_at: per group, where a cotangent on its way into it was lost (the group is
-        *starved*: its statistics miss what was lost and all that was computed from
-        it): the lowest log2 scale at which one arrived as zeros (lost upstream) or
-        non-zero and flushed entirely where it is stored (lost there); ``inf`` where
-        none was. The rule raises the group at most by the jump that cannot overflow
-        what lay below ``u_min / 2`` at that scale.
+      starved: per group, whether a cotangent on its way into it arrived zero, or
+        non-zero and flushed entirely where it is stored (its statistics miss what was
+        lost and all that was computed from it): the rule raises it by at most the
+        jump that cannot overflow what was lost.
       lost_amax: per group, log2 of the largest value at unit scale (as ``amax``) that
         was measured before it was lost on the way into the group: where it flushed,
         on the wide side of a cast that flushed it, or upstream of cotangents that
@@ -203,7 +201,7 @@ class ScaleStats:
     count: GroupVector | None = None
     hist: GroupVector | None = None
     flushed: jax.Array | None = None
-    lost_at: GroupVector | None = None
+    starved: GroupVector | None = None
     lost_amax: GroupVector | None = None
     verdict: dict | None = None
     grad_amax: jax.Array | None = None
@@ -214,7 +212,7 @@ class ScaleStats:
 jax.tree_util.register_dataclass(
     ScaleStats,
     data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist",
-                 "flushed", "lost_at", "lost_amax", "verdict", "grad_amax"],
+                 "flushed", "starved", "lost_amax", "verdict", "grad_amax"],
     meta_fields=["fingerprint", "origin"],
 )
 

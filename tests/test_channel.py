@@ -91,29 +91,25 @@ def test_columns(sumsq, hist):
 
 def test_decode_marks_groups_starved_by_a_flushed_or_zero_cotangent():
     """Row 0 leaves a's scale (0) for the root's (-3) stored in fp16: 2**-23 becomes
-    2**-26, below half of fp16's smallest value, so it flushed there and the root, which
-    computes from it, is starved, lost at its own -3; row 1 arrived in b as zeros (b is
-    starved at 0, nothing flushed); row 3 arrived as zeros from c (at 5) into a: a is
-    starved at 5, where they arrived; row 2 fits. Without the format's smallest value
-    nothing is judged."""
+    2**-26, below half of fp16's smallest value, so it flushed and the root, which
+    computes from it, is starved; row 1 arrived in b as zeros (b is starved, nothing
+    flushed); row 2 fits. Without the format's smallest value nothing is judged."""
     cols = _channel.Columns(sumsq=False, hist_lo=None)
     rows = [_channel.Row(y=("a",), x=("",), y_max=FP16, x_max=FP16),
             _channel.Row(y=("b",), x=("b",), y_max=FP16, x_max=FP16),
-            _channel.Row(y=("c",), x=("c",), y_max=FP16, x_max=FP16),
-            _channel.Row(y=("c",), x=("a",), y_max=FP16, x_max=FP16)]
-    values = [jnp.asarray([2.0**-23, 0.0, 0.0]), jnp.zeros(3), jnp.asarray([1.0, 0.0, 0.0]),
-              jnp.zeros(3)]
+            _channel.Row(y=("c",), x=("c",), y_max=FP16, x_max=FP16)]
+    values = [jnp.asarray([2.0**-23, 0.0, 0.0]), jnp.zeros(3), jnp.asarray([1.0, 0.0, 0.0])]
     groups = ("", "a", "b", "c")
-    used = GroupVector(groups, jnp.asarray([-3.0, 0.0, 0.0, 5.0]), split=True)
+    used = GroupVector(groups, jnp.asarray([-3.0, 0.0, 0.0, 0.0]), split=True)
     stats = _channel.decode(rows, values, used, cols, FP16, fmt_min=2.0**-24)
-    assert [float(stats.lost_at[g]) for g in groups] == [-3.0, 5.0, 0.0, math.inf]
+    assert [bool(stats.starved[g]) for g in groups] == [True, False, True, False]
     assert bool(stats.flushed)
     # At the root's scale -1 the same value is stored as 2**-24: kept.
-    used = GroupVector(groups, jnp.asarray([-1.0, 0.0, 0.0, 5.0]), split=True)
+    used = GroupVector(groups, jnp.asarray([-1.0, 0.0, 0.0, 0.0]), split=True)
     stats = _channel.decode(rows, values, used, cols, FP16, fmt_min=2.0**-24)
-    assert [float(stats.lost_at[g]) for g in groups] == [math.inf, 5.0, 0.0, math.inf]
+    assert [bool(stats.starved[g]) for g in groups] == [False, False, True, False]
     assert not bool(stats.flushed)
-    assert _channel.decode(rows, values, used, cols, FP16).lost_at is None
+    assert _channel.decode(rows, values, used, cols, FP16).starved is None
 
 
 @pytest.mark.parametrize("shapes,bits", [([(5, 3)], 3), ([(4, 8, 3), (2, 7)], 5),

@@ -161,56 +161,41 @@ def test_a_starved_group_rises_at_most_by_the_jump_that_cannot_overflow_what_it_
     state = _state(max_rise=100, decay=math.inf)
     unit = [-12.0, -40.0, -20.0]
     fed = adjust(state, _measured(state, unit))
-    starved = adjust(state, _measured(state, unit, lost_at=jnp.asarray([INF, 10.0, INF])))
+    starved = adjust(state, _measured(state, unit, starved=jnp.asarray([False, True, False])))
     jump = math.floor(LOG2_MAX - 4 + 24 - 1)
     assert _scales(fed)[1] == math.floor(LOG2_MAX - 4 + 40.0) > 10 + jump
     assert _scales(starved) == [_scales(fed)[0], 10.0 + jump, _scales(fed)[2]]
 
 
-def test_a_starved_group_jumps_from_the_scale_where_it_lost_its_cotangent():
-    """The jump is counted from where the cotangent was lost, not from the group's own
-    scale: lost (arrived as zeros) at 4, six binades below a's 10, a rises to 4 + jump;
-    lost at 20, it may rise to its statistics' 51 (20 + jump is above them), further
-    than the jump from its own scale would take it."""
-    state = _state(max_rise=100, decay=math.inf)
-    unit = [-12.0, -40.0, -20.0]
-    jump = math.floor(LOG2_MAX - 4 + 24 - 1)
-    low = adjust(state, _measured(state, unit, lost_at=jnp.asarray([INF, 4.0, INF])))
-    assert _scales(low)[1] == 4.0 + jump
-    high = adjust(state, _measured(state, unit, lost_at=jnp.asarray([INF, 20.0, INF])))
-    assert 10 + jump < _scales(high)[1] == math.floor(LOG2_MAX - 4 + 40.0) < 20 + jump
-
-
 def test_a_starved_group_never_returns_to_where_what_it_measured_flushes():
-    """The root measured 2**-40 at unit scale on the wide side of the loss's cast
-    (fp32), and a cotangent on its way in was lost at -20: the jump from there (to 14)
+    """The root, at -20, measured 2**-40 at unit scale on the wide side of the loss's
+    cast (fp32), and the cast flushed it (the root is starved): the blind jump (to 14)
     would flush the very value it measured (2**-26 in fp16, below half of 2**-24), so it
     goes where that value lands at fp16's smallest normal, 2**-14: 26, far below the 51
     its statistics alone ask for (the growth after the cast is unmeasured). A value in
-    range at its scale (b, unit 2**-20 at 10) keeps the jump."""
-    state = _state(max_rise=100, decay=math.inf)
+    range at its scale (b, unit 2**-20 at -20) keeps the blind jump."""
+    state = _state(scales=(-20, 10, -20), max_rise=100, decay=math.inf)
     unit = [-40.0, -12.0, -20.0]
     jump = math.floor(LOG2_MAX - 4 + 24 - 1)
-    new = adjust(state, _measured(state, unit, lost_at=jnp.asarray([-20.0, INF, -20.0])))
+    new = adjust(state, _measured(state, unit, starved=jnp.asarray([True, False, True])))
     assert _scales(new)[0] == 26.0 == math.ceil(-14 + 40.0) > -20 + jump
     assert _scales(new)[2] == -20.0 + jump
 
 
 def test_a_group_that_received_zeros_starts_where_what_was_lost_upstream_is_kept():
-    """The root measured 2**-40 at unit scale on the wide side of the loss's cast and
-    lost it there (at 0); a and b measured nothing, their cotangents computed from it
+    """The root, at -20, measured 2**-40 at unit scale on the wide side of the loss's
+    cast and lost it there; a and b measured nothing, their cotangents computed from it
     arrived as zeros. Each starts where that value lands at fp16's smallest normal (26),
-    above the blind jump from where it was lost (at -20: to 14), below the floor its
-    statistics set (51). Without anything measured upstream (lost_amax -inf) a and b
-    keep the blind jump."""
-    state = _state(max_rise=100, decay=math.inf)
+    above the blind jump (to 14), below the floor its statistics set (51). Without
+    anything measured upstream (lost_amax -inf) a and b keep the blind jump."""
+    state = _state(scales=(-20, -20, -20), max_rise=100, decay=math.inf)
     unit = [-40.0, None, None]
     jump = math.floor(LOG2_MAX - 4 + 24 - 1)
-    lost_at = jnp.asarray([-20.0, -20.0, -20.0])
-    new = adjust(state, _measured(state, unit, lost_at=lost_at,
+    starved = jnp.asarray([True, True, True])
+    new = adjust(state, _measured(state, unit, starved=starved,
                                   lost_amax=jnp.asarray([-INF, -40.0, -40.0])))
     assert _scales(new) == [26.0, 26.0, 26.0] and -20 + jump < 26
-    blind = adjust(state, _measured(state, unit, lost_at=lost_at,
+    blind = adjust(state, _measured(state, unit, starved=starved,
                                     lost_amax=jnp.full(3, -INF)))
     assert _scales(blind) == [26.0, -20.0 + jump, -20.0 + jump]
 
@@ -229,7 +214,7 @@ def test_a_starved_group_that_measured_nothing_is_not_lifted_to_the_floor():
     assert floor > 10 + jump
     fed = adjust(state, _measured(state, unit))
     assert _scales(fed)[1:] == [floor, floor]
-    starved = adjust(state, _measured(state, unit, lost_at=jnp.asarray([INF, 10.0, 10.0])))
+    starved = adjust(state, _measured(state, unit, starved=jnp.asarray([False, True, True])))
     assert _scales(starved) == [floor, 10.0 + jump, 10.0 + jump]
 
 
@@ -385,8 +370,8 @@ _RULE_EXAMPLES = 150 if __import__("os").environ.get("CI") else 40
 
 def _simulated(state, a, g, fmt, accident=None, starved=None, knows=None):
     """The statistics of one step of the hidden model at the state's scales (``starved``:
-    the groups flagged starved, e.g. a consumer whose cotangent arrives as zeros, lost
-    at its own scale; ``knows``: those of them told the largest value lost, its entry's
+    the groups flagged starved, e.g. a consumer whose cotangent arrives as zeros;
+    ``knows``: those of them told the largest value lost, its entry's
     amax, as a cast's float32 side measures it)."""
     log2_max, log2_min = _FORMATS[fmt]
     s = np.asarray(state.log2_scales.array, np.float64)
@@ -409,8 +394,7 @@ def _simulated(state, a, g, fmt, accident=None, starved=None, knows=None):
                           param_nonfinite=jnp.zeros(_N, bool),
                           grads_finite=jnp.asarray(bool(np.all(np.isfinite(amax)))),
                           loss_finite=jnp.asarray(loss_finite),
-                          lost_at=None if starved is None else jnp.where(
-                              jnp.asarray(starved), jnp.asarray(s, jnp.float32), INF),
+                          starved=None if starved is None else jnp.asarray(starved),
                           lost_amax=None if knows is None else jnp.where(
                               jnp.asarray(starved) & jnp.asarray(knows),
                               jnp.asarray(a, jnp.float32), -INF))

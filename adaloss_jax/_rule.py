@@ -210,8 +210,9 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                       ) - jnp.ceil(room)
     if starved is not None:  # (other groups' statistics, the floor, say nothing of
         # values that never reached this one's: at most the jump that cannot overflow)
-        grown = jnp.where(starved, jnp.minimum(grown, jnp.maximum(log2 + blind_jump, lowest)
-                                               - jnp.ceil(room)), grown)
+        grown = jnp.where(starved, jnp.minimum(grown, jnp.maximum(log2 + blind_jump,
+                                                                  lowest) - jnp.ceil(room)),
+                          grown)
     # Below a ceiling the blind jump goes halfway to it: the scale lies in between.
     grown = jnp.minimum(grown, jnp.floor((log2 + ceiling) / 2))
     nxt = jnp.where(bad | backs_off, used - drop, jnp.where(amax > 0, target, grown))

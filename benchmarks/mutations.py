@@ -168,8 +168,8 @@ MUTATIONS = {
         "it is stored: the root is capped as starved"),
     "starved-blind-group-lifted-to-floor": (
         "adaloss_jax/_rule.py",
-        "        grown = jnp.where(starved, jnp.minimum(grown, jnp.maximum(log2 + blind_jump, lowest)",
-        "        grown = jnp.where(False, jnp.minimum(grown, jnp.maximum(log2 + blind_jump, lowest)",
+        "        grown = jnp.where(starved, jnp.minimum(grown, jnp.maximum(log2 + blind_jump,",
+        "        grown = jnp.where(False, jnp.minimum(grown, jnp.maximum(log2 + blind_jump,",
         ["tests/test_rule.py"],
         "a group that measured nothing because its cotangent arrived as zeros is lifted to "
         "the floor other groups' statistics set, and overflows there"),

@@ -10,11 +10,15 @@ statistics and any skipped step is the scale rule's doing:
 
 For each: fp16 and e4m3 cotangents (``simulate=True``), per module and one global scale,
 ``steps`` steps from the default initial scale; printed: skipped steps (which), passes
-retried inside steps (``AdaptiveScaleState.total_retries``), the root's final log2 scale.
+retried inside steps (``AdaptiveScaleState.total_retries``), the root's final log2 scale,
+and ``moved``: the most any group's log2 scale moved from after step 0 to the end (how
+far the first pass's scales were from where they settle).
 
     python benchmarks/warmup_skips.py                 # the default: retries=4
     python benchmarks/warmup_skips.py --retries 0     # the rule alone: skips instead
     python benchmarks/warmup_skips.py --delayed       # per module: the rule's scales alone
+    python benchmarks/warmup_skips.py --loss-log2 -20 # the loss x 2^-20 (the bench's tiny
+                                                      # regime: the loss's cast flushes)
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ class Attn5(nn.Module):
         return nn.Dense(10, dtype=jnp.float16)(x)
 
 
-def _task(name):
+def _task(name, loss_log2=0):
     if name == "attn5":
         model = Attn5()
         x = jax.random.normal(jax.random.key(0), (1024, 8, 16))
@@ -63,25 +67,29 @@ def _task(name):
 
     def loss_fn(p, x, y):
         logits = model.apply({"params": p}, x).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() * (
+            2.0**loss_log2)
 
     return model, params, loss_fn, x, y
 
 
-def run(name, groups, dtype, steps, retries, same_step=None):
-    model, params, loss_fn, x, y = _task(name)
+def run(name, groups, dtype, steps, retries, same_step=None, loss_log2=0):
+    model, params, loss_fn, x, y = _task(name, loss_log2)
     scaler = alj.adaptive(groups=groups, grad_dtype=dtype, simulate=dtype != "float16",
                           retries=retries, same_step=same_step)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
                               scaler=scaler)
     step = jax.jit(lambda s: linen_train_step(s, loss_fn, x, y))
-    skipped = []
+    skipped, first = [], None
     for i in range(steps):
         state, _ = step(state)
         if not bool(alj.scale_state(state).last_applied):
             skipped.append(i)
+        if i == 0:
+            first = alj.scale_state(state).log2_scales.array
     st = alj.scale_state(state)
-    return skipped, int(st.total_retries), float(jnp.log2(st.loss_scale))
+    moved = float(jnp.max(jnp.abs(st.log2_scales.array - first)))
+    return skipped, int(st.total_retries), float(jnp.log2(st.loss_scale)), moved
 
 
 def main(argv=None):
@@ -93,17 +101,20 @@ def main(argv=None):
                     help="per module: every scale the rule's, from the steps before "
                          "(same_step=False; the default chooses them in the backward pass)")
     ap.add_argument("--groups", default="module,global")
+    ap.add_argument("--loss-log2", type=int, default=0,
+                    help="multiply the loss by 2**this (-20: the bench's tiny regime)")
     args = ap.parse_args(argv)
     print(f"{'task':<10} {'format':<14} {'groups':<7} {'skipped':>7}  {'retries':>7}  "
-          f"{'root':>5}  which")
+          f"{'root':>5}  {'moved':>5}  which")
     for name in args.tasks.split(","):
         for dtype in ("float16", "float8_e4m3fn"):
             for groups in args.groups.split(","):
-                skipped, retries, root = run(name, groups, dtype, args.steps, args.retries,
-                                             False if args.delayed else None)
+                skipped, retries, root, moved = run(
+                    name, groups, dtype, args.steps, args.retries,
+                    False if args.delayed else None, args.loss_log2)
                 which = ",".join(map(str, skipped[:12])) + ("..." if len(skipped) > 12 else "")
                 print(f"{name:<10} {dtype:<14} {groups:<7} {len(skipped):>7}  {retries:>7}  "
-                      f"{root:>5.0f}  {which or '-'}", flush=True)
+                      f"{root:>5.0f}  {moved:>5.0f}  {which or '-'}", flush=True)
 
 
 if __name__ == "__main__":

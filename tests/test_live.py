@@ -943,7 +943,9 @@ def test_the_loss_cast_is_measured_around_every_transformation(around):
     """The model under vmap, remat, a nested jit, cond or shard_map (typed or not), its
     fp16 output cast to float32 by the loss (x 2^-30: at scale 1 it all flushes in the
     cast): the root's statistics of the first pass are the fp32 amax of the loss's
-    cotangent at the cast, however the model is wrapped."""
+    cotangent at the cast, however the model is wrapped; and every module, which
+    received only zeros computed from it, is starved and told that value (lost_amax),
+    which the rule keeps from flushing again."""
     tiny = 2.0**-30
     scaler = alj.adaptive(groups="module", retries=0)
     case = build("jax", around, "none", jnp.float16, scaler, tiny=tiny)
@@ -954,3 +956,7 @@ def test_the_loss_cast_is_measured_around_every_transformation(around):
     want = float(jnp.log2(jnp.max(jnp.abs(ct))))
     assert want < -25  # below fp16's smallest subnormal: lost in the cast
     assert float(jnp.log2(stats.amax[""])) == pytest.approx(want, abs=1e-5)
+    modules = [g for g in stats.starved.names if g]
+    assert modules and all(bool(stats.starved[g]) for g in modules)
+    assert [float(stats.lost_amax[g]) for g in stats.lost_amax.names] == pytest.approx(
+        [want] * len(stats.lost_amax.names), abs=1e-5)

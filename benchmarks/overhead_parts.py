@@ -34,9 +34,9 @@ from underflow_table import GPT  # noqa: E402
 from adaloss_jax import _channel  # noqa: E402
 
 
-def _constant_row(cts, ratio, cfg):
+def _constant_row(cts, ratio, cfg, amax=None):
     """A statistics row that reads nothing: amax 1, everything else 0."""
-    del cts, ratio
+    del cts, ratio, amax
     return jnp.zeros((cfg.columns.width,), jnp.float32).at[0].set(1.0)
 
 

@@ -9,6 +9,9 @@ send/recv) and the steady-state step time, measured in interleaved rounds so tha
 noise hits every configuration alike. Ratios are against ``dynamic``.
 
 Run: ``python benchmarks/overhead.py`` (a few minutes on 2 CPU cores);
+``--processes 4`` runs the whole measurement in 4 fresh processes one after another and
+prints each ratio's median and range over them (on a shared machine a process's ratios
+move by tenths from one process to the next: one run does not decide a bound);
 ``--sizes small,large --layers 2,4,8`` for the growth with depth; ``--scan`` for the
 same GPT with its blocks in one ``nn.scan`` (one compiled block whatever the depth):
 ``--scan --sizes small --layers 4,8,16,32``.
@@ -17,9 +20,12 @@ same GPT with its blocks in one ``nn.scan`` (one compiled block whatever the dep
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
 
 import jax
@@ -168,7 +174,13 @@ def main(argv=None) -> int:
                              "and the compiled program's fused kernels")
     parser.add_argument("--configs", default=",".join(CONFIGS),
                         help=f"comma list of {list(ALL_CONFIGS)}")
+    parser.add_argument("--processes", type=int, default=1,
+                        help="repeat the whole measurement in this many fresh processes, "
+                             "one after another, and print each ratio's median and range")
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)  # (a child's rows)
     args = parser.parse_args(argv)
+    if args.processes > 1:
+        return over_processes(argv if argv is not None else sys.argv[1:], args.processes)
     configs = tuple(c for c in args.configs.split(",") if c)
     for c in configs:
         if c not in ALL_CONFIGS:
@@ -204,6 +216,10 @@ def main(argv=None) -> int:
         for r in rows:
             print(f"{r['size']:<6} {r['layers']:>6} {r['config']:<16} {r['trace_s']:>7.2f} "
                   f"{r['lower_s']:>7.2f} {r['xla_s']:>7.2f} {r['kernels']:>8d}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump([{k: v for k, v in r.items() if k not in ("times", "compile_times",
+                                                                 "phases")} for r in rows], f)
     slopes = compile_slopes(rows)
     if slopes:
         print("# compile seconds per added layer (least squares over the depths), and as a "
@@ -211,6 +227,45 @@ def main(argv=None) -> int:
         for (size, config), (slope, ratio) in slopes.items():
             print(f"{size:<6} {config:<16} {slope:>7.3f} s/layer {ratio:>6.2f} x dyn")
     return 0
+
+
+def over_processes(argv: list[str], n: int) -> int:
+    """The measurement ``argv`` asks for, in ``n`` fresh processes one after another (a
+    process's own ratios move with the machine's load and with what its first compile
+    warmed), then the median and range of each ratio over them."""
+    argv = [a for i, a in enumerate(argv) if not a.startswith("--processes")
+            and not (i and argv[i - 1] == "--processes")]
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(n):
+            out = os.path.join(tmp, f"{i}.json")
+            print(f"# process {i + 1}/{n}", file=sys.stderr, flush=True)
+            subprocess.run([sys.executable, os.path.abspath(__file__), *argv, "--json", out],
+                           check=True, stdout=subprocess.DEVNULL)
+            with open(out) as f:
+                runs.append(json.load(f))
+    print(f"# ratios to dynamic over {n} fresh processes: median [min, max]")
+    print("{:<6} {:>6} {:<16} {:>22} {:>22}".format("size", "layers", "config", "step x dyn",
+                                                      "compile x dyn"))
+    for key, ratios in spread(runs).items():
+        size, layers, config = key
+        cells = [f"{statistics.median(v):.3f} [{min(v):.3f}, {max(v):.3f}]"
+                 for v in (ratios["step_ratio"], ratios["compile_ratio"])]
+        print(f"{size:<6} {layers:>6} {config:<16} {cells[0]:>22} {cells[1]:>22}")
+    return 0
+
+
+def spread(runs: list[list[dict]]) -> dict:
+    """``{(size, layers, config): {"step_ratio": [...], "compile_ratio": [...]}}``, one
+    value per run, in the order the first run measured them."""
+    out: dict = {}
+    for rows in runs:
+        for r in rows:
+            cell = out.setdefault((r["size"], r["layers"], r["config"]),
+                                  {"step_ratio": [], "compile_ratio": []})
+            cell["step_ratio"].append(r["step_ratio"])
+            cell["compile_ratio"].append(r["compile_ratio"])
+    return out
 
 
 def compile_slopes(rows: list[dict]) -> dict:

@@ -11,7 +11,8 @@ noise hits every configuration alike. Ratios are against ``dynamic``.
 Run: ``python benchmarks/overhead.py`` (a few minutes on 2 CPU cores);
 ``--processes 4`` runs the whole measurement in 4 fresh processes one after another and
 prints each ratio's median and range over them (on a shared machine a process's ratios
-move by tenths from one process to the next: one run does not decide a bound);
+move with the load from one process to the next, docs/results.md section 6: one run does
+not decide a bound);
 ``--sizes small,large --layers 2,4,8`` for the growth with depth; ``--scan`` for the
 same GPT with its blocks in one ``nn.scan`` (one compiled block whatever the depth):
 ``--scan --sizes small --layers 4,8,16,32``.

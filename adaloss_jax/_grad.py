@@ -348,7 +348,9 @@ def _until_applied(attempt: Callable, state: AdaptiveScaleState):
     """``attempt(scales)`` at the state's scales, and again, up to ``scaler.retries``
     times, at the scales the rule sets while it would skip the step and moves a scale
     (an overflow backed off, a step far below its scale): one ``lax.while_loop``, its
-    body compiled once, one pass when the scales are right. The statistics returned
+    body compiled once, one pass when the scales are right. The pass is traced once:
+    the loop's body replays its jaxpr (inside ``shard_map``, where the carry's types are
+    settled first, the body traces it again). The statistics returned
     carry the rule's verdict on their pass (``ScaleStats.verdict``: the next state),
     which the optimizer applies as it is, without deciding twice.
 
@@ -378,18 +380,31 @@ def _until_applied(attempt: Callable, state: AdaptiveScaleState):
         verdict, grad_amax = _decide.verdict(prior, grads, stats, value[0], axis_name)
         return (value, grads, dataclasses.replace(stats, grad_amax=grad_amax)), verdict
 
+    def flat_judged(prior: AdaptiveScaleState):
+        out, verdict = judged(prior)
+        return arrays(out), verdict
+
+    # One trace of a pass (the program and its backward pass): its output types are the
+    # carry's, and the loop's body replays it.
+    closed, shapes = jax.make_jaxpr(flat_judged, return_shape=True)(state)
+    out_tree = jax.tree_util.tree_structure(shapes)
+
+    def replay(prior: AdaptiveScaleState):
+        flat = jax.core.eval_jaxpr(closed.jaxpr, closed.consts,
+                                   *jax.tree_util.tree_leaves(prior))
+        return jax.tree_util.tree_unflatten(out_tree, flat)
+
     def body(carry):
         k, _, prior, _, _ = carry
-        out, verdict = judged(prior)
+        values, verdict = replay(prior) if not in_shard_map() else flat_judged(prior)
         moved = jnp.any(verdict.log2_scales.array != prior.log2_scales.array)
         done = verdict.base.last_applied | ~moved | (k >= scaler.retries)
         # A retry runs at the verdict's scales, counters untouched (no step was taken).
         nxt = prior.replace(**{f: getattr(verdict, f) for f in RETRIED})
-        return k + 1, done, nxt, verdict, arrays(out)
+        return k + 1, done, nxt, verdict, values
 
-    shapes = jax.eval_shape(lambda st: arrays(judged(st)[0]), state)
     init = (jnp.int32(0), jnp.asarray(False), state, state,
-            [jnp.zeros(x.shape, x.dtype) for x in shapes])
+            [jnp.zeros(x.shape, x.dtype) for x in shapes[0]])
     if in_shard_map():  # inside shard_map: the carry's types must be a fixed point
         for _ in range(3):
             typed = _typed_like(init, jax.eval_shape(body, init))

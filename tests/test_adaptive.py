@@ -23,6 +23,7 @@ from _models import (
 from flax import linen as nn
 
 import adaloss_jax as alj
+from adaloss_jax import _apply
 
 VEC = (np.random.default_rng(0).normal(size=(4, 8)).astype(np.float32), np.array([0, 1, 2, 3]))
 IMG = (
@@ -777,6 +778,28 @@ def test_the_loss_is_traced_once_per_trace_of_the_step():
     state = alj.adaptive_unscale(scaler).init(params)
     jax.jit(alj.adaptive_value_and_grad(counting)).lower(state, params, *batch)
     assert len(calls) == 1
+
+@pytest.mark.parametrize("retries", [4, 0])
+def test_the_scaled_pass_is_traced_once_retry_loop_included(retries, monkeypatch):
+    """The pass at the scales (the recorded program with its points, and its backward
+    pass) is traced once per jit trace: the retry loop's body replays that trace instead
+    of tracing it again. (That the replayed pass computes what it should, every test of
+    the default scaler shows: its gradients against fp32's, its retries, its skips.)"""
+    _, params, loss16, batch = _setup("mlp", jnp.float16)
+    evaluated = []
+    original = _apply.Program.evaluate
+
+    def counting(self, *args, **kwargs):
+        evaluated.append(1)
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(_apply.Program, "evaluate", counting)
+    scaler = alj.adaptive(groups="module", retries=retries)
+    state = alj.adaptive_unscale(scaler).init(params)
+    vg = alj.adaptive_value_and_grad(loss16)
+    jax.jit(vg).lower(state, params, *batch)
+    assert len(evaluated) == 1
+
 
 
 def test_aux_may_hold_python_values_as_in_jax_value_and_grad():

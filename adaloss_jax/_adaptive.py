@@ -137,8 +137,10 @@ def adaptive_unscale(
             verdict = dict(scale_stats.verdict)
             retries = _decide.over_devices(verdict.pop("retries"), jax.lax.pmax, axis_name)
             state = state.replace(**verdict, total_retries=state.total_retries + retries)
+        handed = scale_stats.handed is not None and scale_stats.handed.same(
+            jax.tree_util.tree_leaves(updates))  # the very arrays measured: nothing to check
         updates, received = _decide.unscale(updates, scale_stats, state)
-        if scale_stats.grad_amax is not None:
+        if scale_stats.grad_amax is not None and not handed:
             foreign = _decide.foreign(received, scale_stats.grad_amax, _decide.bound(axis_name))
             state = state.replace(
                 health=state.health | jnp.where(foreign, Health.FOREIGN_GRADS, 0))

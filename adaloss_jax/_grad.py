@@ -33,6 +33,7 @@ from adaloss_jax._common import check_fingerprint, fingerprint, in_shard_map
 from adaloss_jax._layout import GroupVector, layers, runs
 from adaloss_jax._state import (
     AdaptiveScaleState,
+    Handed,
     ScaleStats,
 )
 from adaloss_jax._tree import ROOT
@@ -304,7 +305,8 @@ def adaptive_value_and_grad(
             stats = dataclasses.replace(stats, grad_amax=_decide.unscale(grads, stats,
                                                                          state)[1])
         stats = dataclasses.replace(stats, fingerprint=fingerprint(params),
-                                    origin=(state.groups, scaler))
+                                    origin=(state.groups, scaler),
+                                    handed=Handed(jax.tree_util.tree_leaves(grads)))
         return ((loss, aux) if has_aux else loss), grads, stats
 
     return wrapped

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import weakref
 from collections.abc import Mapping
 from typing import Any
 
@@ -38,6 +39,36 @@ class Health(enum.IntFlag):
     SPAN = 16  # one global scale flushed a module's cotangent entirely
 
 
+
+
+class Handed:
+    """The gradient leaves a gradient function returned with its statistics, held by
+    weak reference (:attr:`ScaleStats.handed`): an optimizer handed these very arrays (in
+    the same trace, or the same eager call) knows they are the ones measured, and does
+    not measure them again. Static data of the statistics' tree, equal to every other
+    ``Handed`` so that no jit retraces for it."""
+
+    __slots__ = ("refs",)
+
+    def __init__(self, leaves):
+        try:
+            self.refs = tuple(weakref.ref(x) for x in leaves)
+        except TypeError:  # a leaf that takes no weak reference: never the same
+            self.refs = None
+
+    def same(self, leaves) -> bool:
+        """Whether ``leaves`` are the very arrays (or tracers) handed back."""
+        return (self.refs is not None and len(leaves) == len(self.refs)
+                and all(r() is x for r, x in zip(self.refs, leaves)))
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, Handed)
+
+    def __hash__(self) -> int:
+        return hash(Handed)
+
+    def __repr__(self) -> str:
+        return "Handed(...)"
 
 
 def _static(**kw):
@@ -177,7 +208,11 @@ class ScaleStats:
         applies it as it is. ``None`` with ``retries=0`` (the optimizer decides).
       grad_amax: each state group's largest gradient magnitude at its scale, of the
         gradients returned with these statistics (over the state's groups; inf where one
-        is not finite): the optimizer checks that it is handed those gradients.
+        is not finite): the optimizer checks that it is handed those gradients (unless
+        ``handed`` shows they are the very arrays).
+      handed: the gradients returned with these statistics, by weak reference
+        (:class:`Handed`, static): handed the same arrays, the optimizer does not measure
+        them again for that check.
       fingerprint: the parameters the statistics were measured for (static).
       origin: the state's groups and scaler they were measured with (static): another
         optimizer state refuses them.
@@ -207,13 +242,14 @@ class ScaleStats:
     grad_amax: jax.Array | None = None
     fingerprint: str = _static(default="")
     origin: tuple = _static(default=())
+    handed: Handed | None = _static(default=None)
 
 
 jax.tree_util.register_dataclass(
     ScaleStats,
     data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist",
                  "flushed", "starved", "lost_amax", "verdict", "grad_amax"],
-    meta_fields=["fingerprint", "origin"],
+    meta_fields=["fingerprint", "origin", "handed"],
 )
 
 

@@ -19,6 +19,7 @@ from jax.sharding import PartitionSpec as P
 
 import adaloss_jax as alj
 from adaloss_jax import _common
+from adaloss_jax._state import Handed
 from adaloss_jax.diagnostics import Health
 
 F16 = jnp.float16
@@ -171,6 +172,28 @@ def test_the_gradients_of_the_statistics_raise_no_flag():
             params, state = step(params, state)
             assert int(alj.scale_state(state).health) == 0
         assert alj.diagnostics.check_health(state, warn=False) == []
+
+
+def test_the_very_gradients_of_the_statistics_are_not_measured_again():
+    """Handed the arrays its gradient function returned (the same trace), the optimizer
+    knows they are the ones measured and skips the check: with the retry loop its
+    measurement (a reduction of every leaf) cannot be shared with the one inside the
+    loop. Handed a copy that equals them, it measures them, and raises no flag."""
+    tx = alj.adaptive_scaled(optax.sgd(0.1), MODULE)
+    state = tx.init(PARAMS)
+
+    def reductions(change):
+        text = _step(tx, change).lower(PARAMS, state).compile().as_text()
+        return text.count(" reduce(")
+
+    copied = lambda g, p, x: jax.tree_util.tree_map(lambda v: v * 1.0 + 0.0, g)
+    assert reductions(None) + len(jax.tree_util.tree_leaves(PARAMS)) <= reductions(copied)
+    _, state = _step(tx, copied)(*_step(tx)(PARAMS, state))
+    assert int(alj.scale_state(state).health) == 0
+    handed = Handed(jax.tree_util.tree_leaves(PARAMS))
+    assert handed.same(jax.tree_util.tree_leaves(PARAMS))
+    assert not handed.same(jax.tree_util.tree_leaves(jax.tree_util.tree_map(jnp.copy, PARAMS)))
+    assert handed == Handed([]) and hash(handed) == hash(Handed([]))  # no jit retraces
 
 
 def test_gradients_averaged_over_devices_inside_shard_map_raise_no_flag(mesh):

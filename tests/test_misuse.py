@@ -194,6 +194,8 @@ def test_the_very_gradients_of_the_statistics_are_not_measured_again():
     assert handed.same(jax.tree_util.tree_leaves(PARAMS))
     assert not handed.same(jax.tree_util.tree_leaves(jax.tree_util.tree_map(jnp.copy, PARAMS)))
     assert handed == Handed([]) and hash(handed) == hash(Handed([]))  # no jit retraces
+    assert not Handed([1.0]).same([]) and not Handed([1.0]).same([1.0])  # no weak reference
+    assert repr(handed) == "Handed(...)"  # (statistics print without their arrays)
 
 
 def test_gradients_averaged_over_devices_inside_shard_map_raise_no_flag(mesh):

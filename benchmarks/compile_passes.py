@@ -17,16 +17,10 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
 import sys
-import tempfile
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead  # noqa: E402
@@ -41,25 +35,13 @@ LOOP_PASSES = ("while-loop-invariant-code-motion", "simplify-while-loops")
 
 def events(config: str, size: str = "small") -> collections.Counter:
     """Seconds per trace event name of one compile of ``config``'s step."""
-    n_layers, d, heads, ctx, batch = overhead.SIZES[size]
-    data = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(batch, ctx + 1)),
-                       jnp.int32)
-    model = overhead.GPT(layers=n_layers, d_model=d, heads=heads, context=ctx,
-                         dtype=overhead.ALL_CONFIGS[config][0])
-    params = model.init(jax.random.key(0), data[:, :-1])["params"]
+    data, model, params = overhead.one_model(config, size)
     tx, step = overhead.build_step(config, model, params)
     lowered = jax.jit(step).lower(params, tx.init(params), data)
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            lowered.compile()
-        path = glob.glob(f"{log_dir}/**/*perfetto_trace.json.gz", recursive=True)[0]
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    trace = trace["traceEvents"] if isinstance(trace, dict) else trace
+    trace = overhead.profiler_events(lowered.compile)
     out: collections.Counter = collections.Counter()
     for e in trace:
-        if e.get("ph") == "X":
-            out[e["name"]] += e.get("dur", 0) / 1e6
+        out[e["name"]] += e.get("dur", 0) / 1e6
     return out
 
 

@@ -21,6 +21,8 @@ same GPT with its blocks in one ``nn.scan`` (one compiled block whatever the dep
 from __future__ import annotations
 
 import argparse
+import glob
+import gzip
 import json
 import os
 import statistics
@@ -84,6 +86,34 @@ def build_step(config: str, model, params):
     tx, step = scaled_step(loss_fn, optax.adamw(1e-3),
                            alj.no_scaling() if make is None else make())
     return tx, step
+
+
+def one_model(config: str, size: str, batch: int | None = None):
+    """``(data, model, params)``: a random byte batch and the GPT of ``size`` in
+    ``config``'s compute dtype (``batch``: the size's own by default)."""
+    n_layers, d, heads, ctx, default_batch = SIZES[size]
+    data = jnp.asarray(np.random.default_rng(0).integers(
+        0, 256, size=(batch or default_batch, ctx + 1)), jnp.int32)
+    model = GPT(layers=n_layers, d_model=d, heads=heads, context=ctx,
+                dtype=ALL_CONFIGS[config][0])
+    return data, model, model.init(jax.random.key(0), data[:, :-1])["params"]
+
+
+def profiler_events(run) -> list[dict]:
+    """The complete events (``ph == "X"``) of a ``jax.profiler`` trace of ``run()``, each
+    with its process's name as ``"process"`` (``benchmarks/compile_passes.py``,
+    ``benchmarks/step_profile.py``)."""
+    with tempfile.TemporaryDirectory() as log_dir:
+        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+            run()
+        path = glob.glob(f"{log_dir}/**/*perfetto_trace.json.gz", recursive=True)[0]
+        with gzip.open(path) as f:
+            trace = json.load(f)
+    trace = trace["traceEvents"] if isinstance(trace, dict) else trace
+    names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    return [{**e, "process": names.get(e.get("pid"), "")} for e in trace
+            if e.get("ph") == "X"]
 
 
 def host_round_trips(hlo_text: str) -> int:

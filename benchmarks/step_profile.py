@@ -16,9 +16,8 @@ Per configuration and per step it prints the time and count of:
 
 and the ``--top`` kinds of event that take most time beyond dynamic scaling's (XLA's
 names without their instance numbers: a fused kernel is named after its operations).
-Made for a GPU, where the per-module step costs about 2x dynamic scaling's
-(``docs/results.md``, section 7); on the CPU machine it shows where the ~1.05x goes
-(kernels there are named only in part: most run as ``ThunkExecutor::Execute``).
+Made for a GPU (``docs/results.md``, section 7, says why); on the CPU machine the
+kernels are named only in part (most run as ``ThunkExecutor::Execute``).
 
 Run: ``python benchmarks/step_profile.py`` (a minute or two);
 ``--configs dynamic,adaptive,adaptive-r0 --size gpu --batch 64 --top 15``.
@@ -28,39 +27,17 @@ from __future__ import annotations
 
 import argparse
 import collections
-import glob
-import gzip
-import json
 import os
 import re
 import sys
-import tempfile
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import overhead  # noqa: E402
 
 COPY = ("memcpy", "dtoh", "htod", "copy to host", "copy from host")
 CONTROL = ("while", "conditional")
-
-
-def _trace(run) -> list[dict]:
-    """The complete events (``ph == "X"``) of a profiler trace of ``run()``, each with its
-    process's name."""
-    with tempfile.TemporaryDirectory() as log_dir:
-        with jax.profiler.trace(log_dir, create_perfetto_trace=True):
-            run()
-        path = glob.glob(f"{log_dir}/**/*perfetto_trace.json.gz", recursive=True)[0]
-        with gzip.open(path) as f:
-            trace = json.load(f)
-    trace = trace["traceEvents"] if isinstance(trace, dict) else trace
-    names = {e["pid"]: e.get("args", {}).get("name", "") for e in trace
-             if e.get("ph") == "M" and e.get("name") == "process_name"}
-    return [{**e, "process": names.get(e.get("pid"), "")} for e in trace
-            if e.get("ph") == "X"]
 
 
 def _kind(name: str) -> str:
@@ -101,13 +78,7 @@ def summarise(trace: list[dict], steps: int) -> dict:
 
 
 def profile(config: str, size: str, batch: int | None, warmup: int, steps: int) -> dict:
-    n_layers, d, heads, ctx, default_batch = overhead.SIZES[size]
-    batch = batch or default_batch
-    data = jnp.asarray(np.random.default_rng(0).integers(0, 256, size=(batch, ctx + 1)),
-                       jnp.int32)
-    model = overhead.GPT(layers=n_layers, d_model=d, heads=heads, context=ctx,
-                         dtype=overhead.ALL_CONFIGS[config][0])
-    params = model.init(jax.random.key(0), data[:, :-1])["params"]
+    data, model, params = overhead.one_model(config, size, batch)
     tx, step = overhead.build_step(config, model, params)
     compiled = jax.jit(step).lower(params, tx.init(params), data).compile()
     state = [params, tx.init(params)]
@@ -119,7 +90,7 @@ def profile(config: str, size: str, batch: int | None, warmup: int, steps: int) 
         jax.block_until_ready(loss)
 
     run(warmup)
-    return summarise(_trace(lambda: run(steps)), steps)
+    return summarise(overhead.profiler_events(lambda: run(steps)), steps)
 
 
 def main(argv=None) -> int:

@@ -350,26 +350,43 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
         starved = vec(jax.ops.segment_max(any_of(lost, x_set)[jnp.asarray(p_set)].astype(
             jnp.int32), jnp.asarray(p_grp), ng) > 0)
         lost_amax = vec(jax.ops.segment_max(
-            _lost_amax(rows, amax_r, gone, sigma_vec[y_set], x_set, y_set, ns, fmt_max)[
+            _lost_amax(rows, amax_r, gone, sigma_vec[y_set], [si[r.x] for r in rows],
+                       [si[r.y] for r in rows], ns, fmt_max)[
                 jnp.asarray(p_set)], jnp.asarray(p_grp), ng))
     return ScaleStats(used, vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
                       sumsq=sumsq, count=count, hist=hist, flushed=flushed,
                       starved=starved, lost_amax=lost_amax)
 
 
-def _lost_amax(rows, amax_r, gone, sigma_y, x_set, y_set, ns: int, fmt_max: float):
+def _lost_amax(rows, amax_r, gone, sigma_y, x_set: list, y_set: list, ns: int,
+               fmt_max: float):
     """Per anchor set, log2 of the largest value (at unit scale, in units of the
     format) that was measured before it was lost on its way into the set: where it
     flushed entirely (that row's own amax), where it was measured on the wide side of a
     cast (it flushes at the cast), and, along rows that arrived as zeros, whatever their
-    own side had lost; -inf where nothing was. A fixed point over the rows: a handful of
-    passes, as many as the longest chain of regions that received only zeros."""
+    own side had lost; -inf where nothing was. ``x_set``, ``y_set``: each row's sets.
+
+    A closure over the rows that arrived as zeros: set ``x`` receives what every set
+    reaching it along such rows lost. Computed without a loop whose length depends on
+    the values (on a GPU a ``while`` loop reads its condition on the host once a turn
+    and splits the step's command buffer): up to :data:`_DENSE_SETS` sets, a boolean
+    reachability matrix squared ``ceil(log2(ns - 1))`` times (every chain of sets is at
+    most ``ns - 1`` rows long); beyond that, one pass per link until nothing changes."""
     lim = jnp.asarray([fmt_max / min(r.y_max, r.x_max) for r in rows], jnp.float32)
     wide = jnp.asarray([r.wide for r in rows])
     unit = jnp.log2(jnp.where(amax_r > 0, amax_r, 1.0) * lim) - sigma_y
+    x_set, y_set = jnp.asarray(x_set, jnp.int32), jnp.asarray(y_set, jnp.int32)
     seen = jax.ops.segment_max(jnp.where((gone | wide) & (amax_r > 0), unit, -jnp.inf),
                                x_set, ns)
     zero = amax_r == 0
+    if ns <= _DENSE_SETS:
+        # reach[x, y]: x receives what y lost (itself, or along rows of zeros)
+        reach = jnp.eye(ns, dtype=jnp.float32).at[x_set, y_set].max(
+            zero.astype(jnp.float32))
+        for _ in range(math.ceil(math.log2(max(ns - 1, 1)))):
+            reach = (jnp.dot(reach, reach, precision=jax.lax.Precision.HIGHEST) > 0
+                     ).astype(jnp.float32)
+        return jnp.max(jnp.where(reach > 0, seen[None, :], -jnp.inf), axis=1)
 
     def spread(carry):
         now, _ = carry
@@ -378,6 +395,11 @@ def _lost_amax(rows, amax_r, gone, sigma_y, x_set, y_set, ns: int, fmt_max: floa
 
     return jax.lax.while_loop(lambda c: jnp.any(c[0] != c[1]), spread,
                               spread((seen, seen)))[0]
+
+
+# Anchor sets up to which _lost_amax closes over rows of zeros by matrix squaring (a
+# handful of ns x ns products; beyond, their cost outgrows a loop's).
+_DENSE_SETS = 256
 
 
 # ------------------------------------------------------------------ same-step scales

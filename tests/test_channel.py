@@ -10,6 +10,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from adaloss_jax import _channel
 from adaloss_jax._layout import GroupVector
@@ -132,6 +134,83 @@ def test_a_first_choice_keeps_room_for_the_sum_over_64_rows_at_most_reserve(rese
     assert float(first) == 21 - min(6, reserve) and float(delta) == float(first) - 3
     known, _ = _channel.decide(amax, cts, 0.0, jnp.asarray([0.0, 100.0, 3.0]), cfg)
     assert float(known) == 21
+
+
+@st.composite
+def _zero_row_graphs(draw):
+    """Rows between ``ns`` anchor sets (cycles and repeated pairs allowed): each row's
+    sets, its amax (zero or not), whether it flushed and whether it is a cast's wide
+    side."""
+    ns = draw(st.integers(1, 12))
+    n = draw(st.integers(1, 3 * ns))
+    idx = st.integers(0, ns - 1)
+    return (ns, draw(st.lists(idx, min_size=n, max_size=n)),
+            draw(st.lists(idx, min_size=n, max_size=n)),
+            draw(st.lists(st.sampled_from([0.0, 0.0, 2.0**-30, 0.5, 7.0]), min_size=n,
+                          max_size=n)),
+            draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+            draw(st.lists(st.booleans(), min_size=n, max_size=n)),
+            draw(st.lists(st.integers(-8, 8), min_size=ns, max_size=ns)))
+
+
+def _lost_amax_by_hand(ns, xs, ys, amax, gone, wide, sigma):
+    """The fixed point, one row at a time until nothing changes (plain Python)."""
+    now = [-math.inf] * ns
+    for x, y, a, g, w in zip(xs, ys, amax, gone, wide):
+        if (g or w) and a > 0:
+            now[x] = max(now[x], math.log2(a) - sigma[y])
+    changed = True
+    while changed:
+        changed = False
+        for x, y, a in zip(xs, ys, amax):
+            if a == 0 and now[y] > now[x]:
+                now[x], changed = now[y], True
+    return now
+
+
+@settings(max_examples=60, deadline=None)
+@given(_zero_row_graphs())
+def test_what_was_lost_reaches_every_set_along_rows_of_zeros_on_any_graph(graph):
+    """On random graphs of rows (chains, cycles, several rows into a set), the lost
+    amax of every set is the by-hand fixed point, both by matrix squaring (the sets a
+    model has, up to _DENSE_SETS) and by the loop beyond it."""
+    ns, xs, ys, amax, gone, wide, sigma = graph
+    rows = [_channel.Row(y=(str(y),), x=(str(x),), y_max=FP16, x_max=FP16, wide=w)
+            for x, y, w in zip(xs, ys, wide)]
+    args = (rows, jnp.asarray(amax, jnp.float32), jnp.asarray(gone),
+            jnp.asarray([float(sigma[y]) for y in ys], jnp.float32), xs, ys, ns, FP16)
+    want = _lost_amax_by_hand(ns, xs, ys, amax, gone, wide, sigma)
+    dense = _channel._lost_amax(*args)
+    limit = _channel._DENSE_SETS
+    try:
+        _channel._DENSE_SETS = 0
+        looped = _channel._lost_amax(*args)
+    finally:
+        _channel._DENSE_SETS = limit
+    np.testing.assert_allclose(np.asarray(dense), want, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(looped), want, atol=1e-5)
+
+
+def test_a_chain_of_zeros_as_long_as_the_sets_carries_what_was_lost_to_its_end():
+    """The longest chain there can be (ns - 1 rows of zeros through every set, rows
+    listed backwards): the last set receives the first one's loss, by squaring and by
+    the loop, and the squaring has no ``while`` in its program."""
+    ns = 9
+    xs, ys = [0] + list(range(ns - 1, 0, -1)), [0] + list(range(ns - 2, -1, -1))
+    rows = [_channel.Row(y=(str(y),), x=(str(x),), y_max=FP16, x_max=FP16, wide=i == 0)
+            for i, (x, y) in enumerate(zip(xs, ys))]
+    amax = jnp.asarray([2.0**-30] + [0.0] * (ns - 1), jnp.float32)
+    args = (rows, amax, jnp.zeros(ns, bool), jnp.zeros(ns, jnp.float32), xs, ys, ns, FP16)
+    got = jax.jit(lambda *a: _channel._lost_amax(rows, *a, xs, ys, ns, FP16))
+    assert list(np.asarray(got(*args[1:4]))) == pytest.approx([-30.0] * ns, abs=1e-4)
+    assert "while" not in got.lower(*args[1:4]).as_text()
+    limit = _channel._DENSE_SETS
+    try:
+        _channel._DENSE_SETS = 0
+        assert list(np.asarray(_channel._lost_amax(*args))) == pytest.approx([-30.0] * ns,
+                                                                     abs=1e-4)
+    finally:
+        _channel._DENSE_SETS = limit
 
 
 def test_decode_carries_what_was_measured_before_it_was_lost_along_rows_of_zeros():

@@ -52,9 +52,9 @@ class AdaptiveScale:
                               ``"module"`` with cotangent entering it, in the same
                               ``"amax"``        backward pass; ``False``: the rule's
                                                 (last step's statistics)
-    ``retries``               ``4``             passes a step may take again, at the
+    ``retries``               ``0``             passes a step may take again, at the
                                                 scales its statistics set, before it is
-                                                skipped (``0``: skip at once)
+                                                skipped (``4``: step 0 applied too)
     ``max_consecutive_skips`` ``16``            skipped steps in a row before ``health``
                                                 flags them
     ``max_depth``             ``None``          scale points only around modules this
@@ -118,8 +118,13 @@ class AdaptiveScale:
         off, a step computed far below the scales its statistics call for, the first
         step at ``initial_scale``) is computed again inside the same step, at the new
         scales, up to this many times; only then is it skipped. A step no scale can
-        change (a non-finite loss, NaN in the data) is skipped at once. Each retry costs
-        one more forward and backward pass; when the scales are right there is none.
+        change (a non-finite loss, NaN in the data) is skipped at once. ``0`` (the
+        default): such a step is skipped, and the next runs at the scales it set (with
+        same-step scales that is step 0 alone on the models measured). With retries the
+        forward and backward pass sit in a ``lax.while_loop``: each retry costs one more
+        pass, and even when there is none the loop costs compile time and, on a GPU, a
+        read of its condition on the host that splits the step's command buffer (the
+        measured costs: ``docs/results.md``, section 6).
       max_consecutive_skips: ``K``: after ``K`` skipped steps in a row ``health`` says so.
       max_depth: scale points go only around calls of modules nested at most this deep
         (``"Block_0"`` is at depth 1, ``"Block_0/attn"`` at 2); a deeper module's
@@ -145,7 +150,7 @@ class AdaptiveScale:
     AdaptiveScale(groups='global', grad_dtype='float16', simulate=False, statistic='amax',
                   threshold=0.001, margin=4, decay=inf, period=1, initial_scale=1.0,
                   min_loss_scale=2**-24, max_loss_scale=2**64, factor=16.0, max_rise=5,
-                  same_step=False, retries=4, max_consecutive_skips=16, max_depth=None, filter=None,
+                  same_step=False, retries=0, max_consecutive_skips=16, max_depth=None, filter=None,
                   compute_dtype=None)
     """
 
@@ -163,7 +168,7 @@ class AdaptiveScale:
     factor: float = 16.0
     max_rise: int | None = None
     same_step: bool | None = None
-    retries: int = 4
+    retries: int = 0
     max_consecutive_skips: int = 16
     max_depth: int | None = None
     filter: Callable[[tuple[str, ...], Any], bool] | None = None

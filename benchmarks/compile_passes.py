@@ -10,7 +10,7 @@ motion, which hoists the forward pass out of the loop, and the loop simplifier) 
 backend's time on the loop's extra kernels.
 
 Run: ``python benchmarks/compile_passes.py`` (about a minute);
-``--configs dynamic,adaptive,adaptive-r0 --top 12``.
+``--configs dynamic,adaptive,adaptive-retry --top 12``.
 """
 
 from __future__ import annotations
@@ -47,7 +47,7 @@ def events(config: str, size: str = "small") -> collections.Counter:
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", default="dynamic,adaptive,adaptive-r0",
+    parser.add_argument("--configs", default="dynamic,adaptive,adaptive-retry",
                         help=f"comma list of {list(overhead.ALL_CONFIGS)}")
     parser.add_argument("--top", type=int, default=8,
                         help="also list each configuration's slowest HLO passes")

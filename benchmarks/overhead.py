@@ -56,8 +56,8 @@ ALL_CONFIGS = {
     "adaptive-global": (jnp.float16, lambda: alj.adaptive(groups="global")),
     # Per module: same-step scales since 0.3 (before, "adaptive" was "adaptive-delayed").
     "adaptive": (jnp.float16, lambda: alj.adaptive(groups="module")),
-    # The same without the in-step retry loop (one pass a step, as before 0.3).
-    "adaptive-r0": (jnp.float16, lambda: alj.adaptive(groups="module", retries=0)),
+    # The same with the in-step retry loop (retries=4; the default until 0.4).
+    "adaptive-retry": (jnp.float16, lambda: alj.adaptive(groups="module", retries=4)),
     # One group per block, points only at block boundaries (the GPT's blocks, embedding and
     # final norm are its top-level modules).
     "adaptive-block": (jnp.float16, lambda: alj.adaptive(groups="module", max_depth=1)),
@@ -65,14 +65,14 @@ ALL_CONFIGS = {
     "e4m3-sim": (jnp.float16, lambda: alj.adaptive(groups="module", simulate=True,
                                                    grad_dtype="float8_e4m3fn")),
     # Scales chosen in the backward pass (same_step=True, the default per module: as
-    # "adaptive" and "adaptive-r0"), and every scale the rule's (same_step=False), with and
-    # without the retry loop.
+    # "adaptive" and "adaptive-retry"), and every scale the rule's (same_step=False), without
+    # and with the retry loop.
     "adaptive-same": (jnp.float16, lambda: alj.adaptive(groups="module", same_step=True)),
-    "adaptive-same-r0": (jnp.float16, lambda: alj.adaptive(groups="module", same_step=True,
-                                                           retries=0)),
+    "adaptive-same-retry": (jnp.float16, lambda: alj.adaptive(groups="module", same_step=True,
+                                                              retries=4)),
     "adaptive-delayed": (jnp.float16, lambda: alj.adaptive(groups="module", same_step=False)),
-    "adaptive-delayed-r0": (jnp.float16, lambda: alj.adaptive(groups="module",
-                                                              same_step=False, retries=0)),
+    "adaptive-delayed-retry": (jnp.float16, lambda: alj.adaptive(
+        groups="module", same_step=False, retries=4)),
 }
 HOST_PATTERNS = ("callback", "outfeed", "infeed", " send(", " recv(", "host_compute")
 
@@ -196,6 +196,8 @@ def main(argv=None) -> int:
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--steps", type=int, default=5, help="steps per round")
     parser.add_argument("--compile-repeats", type=int, default=3)
+    parser.add_argument("--batch", type=int, default=None,
+                        help="sequences per step (default: each size's own)")
     parser.add_argument("--scan", action="store_true", help="the blocks in one nn.scan")
     parser.add_argument("--cpu-clock", action="store_true",
                         help="compile time as this process's CPU seconds (steadier than "
@@ -233,7 +235,7 @@ def main(argv=None) -> int:
     for size in sizes:
         for layers in layer_list:
             for r in measure(size, layers, args.rounds, args.steps,
-                             args.compile_repeats, configs, scan=args.scan,
+                             args.compile_repeats, configs, scan=args.scan, batch=args.batch,
                              clock=time.process_time if args.cpu_clock else time.perf_counter):
                 rows.append(r)
                 print(f"{r['size']:<6} {r['layers']:>6} {r['d_model']:>4} {r['config']:<16} "

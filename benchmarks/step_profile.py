@@ -20,7 +20,7 @@ Made for a GPU (``docs/results.md``, section 7, says why); on the CPU machine th
 kernels are named only in part (most run as ``ThunkExecutor::Execute``).
 
 Run: ``python benchmarks/step_profile.py`` (a minute or two);
-``--configs dynamic,adaptive,adaptive-r0 --size gpu --batch 64 --top 15``.
+``--configs dynamic,adaptive,adaptive-retry --size gpu --batch 64 --top 15``.
 """
 
 from __future__ import annotations
@@ -95,7 +95,7 @@ def profile(config: str, size: str, batch: int | None, warmup: int, steps: int) 
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--configs", default="dynamic,adaptive,adaptive-r0",
+    parser.add_argument("--configs", default="dynamic,adaptive,adaptive-retry",
                         help=f"comma list of {list(overhead.ALL_CONFIGS)}; the first is "
                              "the baseline")
     parser.add_argument("--size", default="small", choices=list(overhead.SIZES))

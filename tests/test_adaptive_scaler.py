@@ -35,7 +35,7 @@ def test_same_step_needs_module_groups_and_the_amax_statistic():
 
 def test_the_default_is_one_global_scale_measured_by_amax():
     s = alj.adaptive()
-    assert (s.groups, s.statistic, s.same_step, s.retries) == ("global", "amax", False, 4)
+    assert (s.groups, s.statistic, s.same_step, s.retries) == ("global", "amax", False, 0)
     assert s.group_of(("blocks", "Dense_0")) == ""
     module = alj.adaptive(groups="module", max_depth=1)
     assert module.group_of(("blocks", "Dense_0")) == "blocks"

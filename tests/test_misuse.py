@@ -134,7 +134,7 @@ def test_statistics_of_another_state_are_refused_naming_what_differs():
     assert "groups='global' (statistics) vs 'module' (state)" in msg
     assert "(1 group) (statistics)" in msg and "(3 groups) (state)" in msg
     # the same scaler and groups, but retries differ: the options are named
-    other = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module"))
+    other = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module", retries=4))
     with pytest.raises(ValueError, match="retries=4 \\(statistics\\) vs 0 \\(state\\)"):
         _step(module)(PARAMS, module.init(PARAMS), other.init(PARAMS))
 
@@ -179,7 +179,7 @@ def test_the_very_gradients_of_the_statistics_are_not_measured_again():
     knows they are the ones measured and skips the check: with the retry loop its
     measurement (a reduction of every leaf) cannot be shared with the one inside the
     loop. Handed a copy that equals them, it measures them, and raises no flag."""
-    tx = alj.adaptive_scaled(optax.sgd(0.1), MODULE)
+    tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module", retries=4))
     state = tx.init(PARAMS)
 
     def reductions(change):
@@ -328,15 +328,18 @@ def test_an_adaptive_scaler_on_a_wide_model_turns_itself_off(dtype):
 
 def test_compute_dtype_decides_over_what_the_trace_shows():
     """``compute_dtype`` as ``dynamic()``'s: bf16 turns scaling off on an fp16 model too
-    (step 0 applied at scale 1, nothing retried); float16 keeps it on (step 0 retried)."""
+    (step 0 applied at scale 1); float16 keeps it on (step 0, at scale 1 far below what
+    its statistics call for, skipped, or with retries computed again and applied)."""
     for compute_dtype, on in (("bfloat16", False), ("float16", True)):
-        tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module",
-                                                              compute_dtype=compute_dtype))
-        _, state = _step(tx)(PARAMS, tx.init(PARAMS))
-        st = alj.scale_state(state)
-        assert bool(st.last_applied)
-        assert (int(st.total_retries) > 0) == on
-        assert (max(alj.diagnostics.scale_summary(state)["log2_group_scales"].values()) > 0) == on
+        for retries in (0, 4):
+            tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(
+                groups="module", compute_dtype=compute_dtype, retries=retries))
+            _, state = _step(tx)(PARAMS, tx.init(PARAMS))
+            st = alj.scale_state(state)
+            assert bool(st.last_applied) == (not on or retries > 0)
+            assert (int(st.total_retries) > 0) == (on and retries > 0)
+            assert (max(alj.diagnostics.scale_summary(state)["log2_group_scales"].values())
+                    > 0) == on
     assert alj.adaptive(compute_dtype=jnp.bfloat16) == alj.adaptive(compute_dtype="bfloat16")
 
 

@@ -57,9 +57,9 @@ def test_literal_chain_never_poisons_and_trains():
     tx = optax.chain(alj.adaptive_unscale(), optax.adamw(1e-2))
     hist = _train(tx, BLOWS)
     skipped = [not bool(alj.scale_state(s).base.last_applied) for _, s in hist[1:]]
-    # Step 1 (scale 1: everything flushes) is retried at the scales its statistics set
-    # and applied; step 4 overflows at every scale the retries try: skipped.
-    assert skipped == [False, False, False, True, False, False]
+    # Step 1 (scale 1: everything flushes) is skipped and sets the scales its statistics
+    # call for; step 4 overflows (no scale holds 2**60 times the loss): skipped.
+    assert skipped == [True, False, False, True, False, False]
     for p, _ in hist:
         assert all(bool(jnp.all(jnp.isfinite(v))) for v in jax.tree_util.tree_leaves(p))
     moved = [v for v in jax.tree_util.tree_leaves(jax.tree_util.tree_map(
@@ -77,9 +77,15 @@ def test_adaptive_scaled_skips_exactly():
     inner3, inner4 = s3[1], s4[1]
     for a, b in zip(jax.tree_util.tree_leaves(inner3), jax.tree_util.tree_leaves(inner4)):
         np.testing.assert_array_equal(a, b)
-    # The first step (nothing measured at scale 1) is retried and applied.
-    assert bool(alj.scale_state(hist[1][1]).base.last_applied)
-    assert int(alj.scale_state(hist[1][1]).total_retries) >= 1
+    # The first step (everything flushed at scale 1) is skipped as exactly, and with
+    # retries computed again at the scales its statistics set, and applied.
+    assert not bool(alj.scale_state(hist[1][1]).base.last_applied)
+    for a, b in zip(jax.tree_util.tree_leaves((hist[0][0], hist[0][1][1])),
+                    jax.tree_util.tree_leaves((hist[1][0], hist[1][1][1]))):
+        np.testing.assert_array_equal(a, b)  # the parameters and AdamW's state
+    retried = _train(alj.adaptive_scaled(optax.adamw(1e-2), alj.adaptive(retries=4)), [1.0])
+    assert bool(alj.scale_state(retried[1][1]).base.last_applied)
+    assert int(alj.scale_state(retried[1][1]).total_retries) >= 1
 
 
 Wide = functools.partial(_models.MLP, depth=2, width=32)  # one more layer, other shapes

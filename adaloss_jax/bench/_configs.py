@@ -95,12 +95,12 @@ CONFIGS: dict[str, Config] = {
              "the steps before (same_step=False)", groups="module", same_step=False),
         _ada("e4m3-delayed", "as e4m3-module with every scale set by the rule from the steps "
              "before (same_step=False)", groups="module", same_step=False, **_E4M3),
-        _ada("fp16-ada-module-r0", "as fp16-ada-module without passes retried inside a "
-             "step (retries=0: a step the rule refuses is skipped)", groups="module",
-             retries=0),
-        _ada("e4m3-module-r0", "as e4m3-module without passes retried inside a step "
-             "(retries=0: a step the rule refuses is skipped)", groups="module", retries=0,
-             **_E4M3),
+        _ada("fp16-ada-module-retry", "as fp16-ada-module with up to 4 passes retried "
+             "inside a step (retries=4: a step the rule refuses is computed again, step 0 "
+             "included)", groups="module", retries=4),
+        _ada("e4m3-module-retry", "as e4m3-module with up to 4 passes retried inside a step "
+             "(retries=4: a step the rule refuses is computed again, step 0 included)",
+             groups="module", retries=4, **_E4M3),
         _ada("fp16-ada-block", "float16, adaptive per-layer scales, one per top-level module "
              "(a transformer block), points only at their boundaries", groups="module",
              max_depth=1),
@@ -133,7 +133,7 @@ FULL = {
                  "fp16-ada-module"),
     "tiny": tuple(c for c in CONFIGS if CONFIGS[c].kind != "fp8"
                   and c not in ("fp16-ada-block", "fp16-ada-delayed", "e4m3-delayed",
-                                "fp16-ada-module-r0", "e4m3-module-r0")),
+                                "fp16-ada-module-retry", "e4m3-module-retry")),
 }
 # The deep tasks (code-gpt-deep, fmnist-sigmoid): where per-layer scales matter, and the
 # fp8 peers. Their suite runs these, tiny regime only.

@@ -224,7 +224,7 @@ class ScaleStats:
     >>> loss_fn = lambda p, x: jnp.sum(dense(p["d"], x)).astype(jnp.float32)
     >>> x = jnp.ones((1, 2), jnp.float16)
     >>> _, _, stats = alj.adaptive_value_and_grad(loss_fn)(st, params, x)
-    >>> float(stats.log2_scales["d"]), float(stats.amax["d"])  # retried from scale 1
+    >>> float(stats.log2_scales["d"]), float(stats.amax["d"])  # chosen in the pass
     (11.0, 2048.0)
     """
 

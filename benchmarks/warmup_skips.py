@@ -14,8 +14,9 @@ retried inside steps (``AdaptiveScaleState.total_retries``), the root's final lo
 and ``moved``: the most any group's log2 scale moved from after step 0 to the end (how
 far the first pass's scales were from where they settle).
 
-    python benchmarks/warmup_skips.py                 # the default: retries=4
-    python benchmarks/warmup_skips.py --retries 0     # the rule alone: skips instead
+    python benchmarks/warmup_skips.py                 # the default: retries=0 (the rule
+                                                      # alone: a refused step is skipped)
+    python benchmarks/warmup_skips.py --retries 4     # computed again inside the step
     python benchmarks/warmup_skips.py --delayed       # per module: the rule's scales alone
     python benchmarks/warmup_skips.py --loss-log2 -20 # the loss x 2^-20 (the bench's tiny
                                                       # regime: the loss's cast flushes)

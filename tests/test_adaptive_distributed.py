@@ -61,13 +61,13 @@ def test_spmd_jit_sharded_batch_equals_single_device(mesh):
         lambda a: jax.device_put(a, NamedSharding(mesh, P("data"))),
         lambda a: jax.device_put(a, NamedSharding(mesh, P())),
     )
-    for (p1, s1), (p8, s8) in zip(single, sharded):
+    for t, ((p1, s1), (p8, s8)) in enumerate(zip(single, sharded)):
         a1, a8 = alj.scale_state(s1), alj.scale_state(s8)
         assert {g: float(v) for g, v in a1.log2_scales.items()} == {
             g: float(v) for g, v in a8.log2_scales.items()}
-        # Step 0 ran at scale 1 first and was retried at its statistics' scales.
-        assert bool(a8.last_applied) and bool(a1.last_applied)
-        assert int(a8.total_retries) == int(a1.total_retries) >= 1
+        # Step 0 ran at scale 1, far below its statistics' scales: skipped on both.
+        assert bool(a8.last_applied) == bool(a1.last_applied) == (t > 0)
+        assert int(a8.total_retries) == int(a1.total_retries) == 0
         for u, v in zip(jax.tree_util.tree_leaves(p1), jax.tree_util.tree_leaves(p8)):
             np.testing.assert_allclose(u, v, rtol=1e-4, atol=1e-6)
     # The statistics really moved the scales (the loss is 2^-20 small).

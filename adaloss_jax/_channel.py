@@ -106,24 +106,39 @@ def _binade_hist(cts: tuple[jax.Array, ...], lo: int) -> jax.Array:
 
 
 def magnitude(cts: tuple[jax.Array, ...]) -> jax.Array:
-    """The largest magnitude of ``cts`` in fp32 (0 for none), as ``max(max(ct),
-    -min(ct))`` (see :func:`measure`)."""
+    """The largest magnitude of ``cts`` in fp32 (0 for none): ``max(|ct|)``, one
+    reduction, on GPUs and TPUs; ``max(max(ct), -min(ct))`` on the CPU (see
+    :func:`measure`). The two agree on every value, infinities included; the platform
+    picks one when the step is lowered (``jax.lax.platform_dependent``)."""
     amax = jnp.zeros((), jnp.float32)
     for ct in cts:
         if ct.size:
-            amax = jnp.maximum(amax, jnp.maximum(jnp.max(ct).astype(jnp.float32),
-                                                 -jnp.min(ct).astype(jnp.float32)))
+            amax = jnp.maximum(amax, jax.lax.platform_dependent(
+                ct, cpu=_max_and_min, default=_max_abs))
     return amax
+
+
+def _max_and_min(ct: jax.Array) -> jax.Array:
+    """``max(max(ct), -min(ct))`` in fp32: two reductions straight over ``ct``, for a
+    backend that does not fuse ``abs`` into a reduction (XLA's CPU)."""
+    return jnp.maximum(jnp.max(ct).astype(jnp.float32), -jnp.min(ct).astype(jnp.float32))
+
+
+def _max_abs(ct: jax.Array) -> jax.Array:
+    """``max(|ct|)`` in fp32: one reduction with ``abs`` fused into it (a GPU reduces
+    ``max`` and ``min`` in a kernel each, and in two stages over a large cotangent)."""
+    return jnp.max(jnp.abs(ct)).astype(jnp.float32)
 
 
 def measure(cts: tuple[jax.Array, ...], ratio, cfg: PointConfig, amax=None) -> jax.Array:
     """The statistics row of the arriving cotangents ``cts`` (``amax``: their
     :func:`magnitude`, if already taken).
 
-    The magnitude maximum is ``max(max(ct), -min(ct))``: two reductions straight over
-    the cotangent (XLA's CPU backend does not fuse an elementwise producer into a
-    reduction, so ``max(|ct|)`` would materialise a temporary the size of the
-    cotangent). Infinities reach both reductions. A NaN may reach AMAX (:func:`decode`
+    The magnitude maximum is :func:`magnitude`'s. On the CPU it is ``max(max(ct),
+    -min(ct))``: two reductions straight over the cotangent (XLA's CPU backend does not
+    fuse an elementwise producer into a reduction, so ``max(|ct|)`` would materialise a
+    temporary the size of the cotangent); elsewhere ``max(|ct|)``. Infinities reach
+    every reduction. A NaN may reach AMAX (:func:`decode`
     reads it as inf) or be dropped by a CPU reduction: such a NaN came from an inf
     upstream, which a point there saw, and reaches the parameter gradients, whose
     finiteness the optimizer checks element by element. ``BAD_Y``/``BAD_X`` are negated

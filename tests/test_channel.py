@@ -36,6 +36,31 @@ def test_a_row_holds_amax_flags_sums_and_a_histogram():
     assert hist[-20 - -40] == 1 and hist[-1 - -40] == 1 and hist[1 - -40] == 1
 
 
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.sampled_from([0.0, 1.5, -3.0, 2.0**-24, -65504.0, 65504.0, math.inf,
+                                 -math.inf, 7.0, -0.0]), min_size=1, max_size=40),
+       st.sampled_from([jnp.float16, jnp.float32]))
+def test_both_magnitudes_agree_on_every_value(values, dtype):
+    """The CPU's max(max, -min) and the other platforms' max(|ct|) give the same fp32
+    magnitude on any cotangent, signed infinities and zeros included."""
+    ct = jnp.asarray(values, dtype)
+    assert float(_channel._max_and_min(ct)) == float(_channel._max_abs(ct)) == max(
+        abs(v) for v in values)
+
+
+def test_a_gpu_lowering_measures_each_cotangent_in_one_reduction():
+    """Lowered for CUDA, the magnitude of two cotangents is two reductions with ``abs``
+    (the CPU's lowering keeps its max and min: four)."""
+    cts = (jax.ShapeDtypeStruct((64, 32), jnp.float16),
+           jax.ShapeDtypeStruct((8,), jnp.float16))
+    for platform, reductions in (("cuda", 2), ("cpu", 4)):
+        text = jax.export.export(jax.jit(lambda *c: _channel.magnitude(c)),
+                                 platforms=[platform])(*cts).mlir_module()
+        assert text.count("stablehlo.reduce") == reductions, platform
+    compiled = jax.jit(lambda *c: _channel.magnitude(c)).lower(*cts).compile().as_text()
+    assert compiled.count(" reduce(") == 4 and "conditional" not in compiled
+
+
 def test_overflow_flags_cover_the_value_and_its_conversion():
     ct = jnp.asarray([60000.0], jnp.float32)
     row = _channel.measure((ct,), jnp.float32(2.0), _cfg(convert=True))

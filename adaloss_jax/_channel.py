@@ -339,8 +339,8 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     bad_y = m[:, _BAD_Y] > 0
     bad_x = m[:, _BAD_X] > 0
     inf_y = ~(amax_r < jnp.inf)
-    y_set = jnp.asarray([si[r.y] for r in rows], jnp.int32)
-    x_set = jnp.asarray([si[r.x] for r in rows], jnp.int32)
+    ys, xs = [si[r.y] for r in rows], [si[r.x] for r in rows]  # each row's sets
+    y_set, x_set = jnp.asarray(ys, jnp.int32), jnp.asarray(xs, jnp.int32)
     conv = jnp.asarray([r.y != r.x for r in rows])
     any_of = lambda v, idx: jax.ops.segment_max(v.astype(jnp.int32), idx, ns) > 0
     blame = any_of(bad_y & ~inf_y, y_set) | any_of(conv & bad_x & ~bad_y, x_set)
@@ -365,8 +365,7 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
         starved = vec(jax.ops.segment_max(any_of(lost, x_set)[jnp.asarray(p_set)].astype(
             jnp.int32), jnp.asarray(p_grp), ng) > 0)
         lost_amax = vec(jax.ops.segment_max(
-            _lost_amax(rows, amax_r, gone, sigma_vec[y_set], [si[r.x] for r in rows],
-                       [si[r.y] for r in rows], ns, fmt_max)[
+            _lost_amax(rows, amax_r, gone, sigma_vec[y_set], xs, ys, ns, fmt_max)[
                 jnp.asarray(p_set)], jnp.asarray(p_grp), ng))
     return ScaleStats(used, vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
                       sumsq=sumsq, count=count, hist=hist, flushed=flushed,

@@ -128,6 +128,15 @@ FULL_SUITE_ONLY = {
     "test_live.py::test_a_scanned_chain_decides_under_transformations_of_the_loss[cond]",
     "test_live.py::test_a_stack_whose_every_output_is_read_keeps_the_plan_and_stays_exact"
     "[True]",
+    # the GPTs whose loss cast flushes (the MLP's root-at-the-cast test and the scanned
+    # e4m3 GPT's step-0-only test stay), the qwix peer's scanned twin (its plain-qwix
+    # equivalence stays)
+    "test_live.py::test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_only_step_0"
+    "[unrolled]",
+    "test_live.py::test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_only_step_0"
+    "[scanned]",
+    "test_bench.py::test_new_fp8_peers_quantize_a_scanned_stack_like_its_unrolled_twin"
+    "[fp8-qwix]",
 }
 
 

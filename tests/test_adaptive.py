@@ -327,10 +327,11 @@ def test_bad_input_is_refused_clearly():
     scaler = alj.adaptive(groups="module", compute_dtype="float16")  # fp32, scaled
     tx = alj.adaptive_unscale(scaler)
     other_state = tx.init({"params": {"Elsewhere": {"w": jnp.zeros(2)}}})
+    loss, grads, stats = jax.jit(alj.adaptive_value_and_grad(loss32))(
+        tx.init(params), params, *batch)
     with pytest.raises(ValueError, match="another"):
-        loss, grads, stats = alj.adaptive_value_and_grad(loss32)(
-            tx.init(params), params, *batch)
-        tx.update(grads, other_state, params, scale_stats=stats)
+        jax.jit(lambda g, s, p, st: tx.update(g, s, p, scale_stats=st))(
+            grads, other_state, params, stats)
 
 
 def test_scale_table_lists_every_group():

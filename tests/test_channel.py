@@ -197,7 +197,8 @@ def _lost_amax_by_hand(ns, xs, ys, maxes, amax, gone, wide, sigma):
     return now
 
 
-@settings(max_examples=60, deadline=None)
+# Cheap examples (plain ops, no model): five times the profile's draws (20 fast, 60 CI).
+@settings(max_examples=5 * settings.default.max_examples, deadline=None)
 @given(_zero_row_graphs())
 def test_what_was_lost_reaches_every_set_along_rows_of_zeros_on_any_graph(graph):
     """On random graphs of rows (chains, cycles, several rows into a set), the lost

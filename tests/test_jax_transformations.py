@@ -235,7 +235,7 @@ def build(front_end, around, inside, dtype, scaler, tiny=1.0) -> Case:
         vg = alj.adaptive_value_and_grad(loss)
         state = alj.adaptive_unscale(scaler).init(params)
         grads = jax.jit(lambda s: vg(s, params, x))
-        return Case(grads, state, params, lambda: jax.grad(loss)(params, x))
+        return Case(grads, state, params, lambda: jax.jit(jax.grad(loss))(params, x))
     if front_end == "equinox":
         import equinox as eqx
 
@@ -247,7 +247,7 @@ def build(front_end, around, inside, dtype, scaler, tiny=1.0) -> Case:
         state = alj.adaptive_unscale(scaler).init(params)
         vg = eqx_adaptive_value_and_grad(loss)
         grads = eqx.filter_jit(lambda s: vg(s, net, x))
-        return Case(grads, state, params, lambda: eqx.filter_grad(loss)(net, x))
+        return Case(grads, state, params, lambda: eqx.filter_jit(eqx.filter_grad(loss))(net, x))
     if front_end == "linen":
         net = _linen_model(inside, dtype)
         # The untransformed model's parameters (a lifted transform may initialise in
@@ -258,7 +258,7 @@ def build(front_end, around, inside, dtype, scaler, tiny=1.0) -> Case:
         state = alj.adaptive_unscale(scaler).init(params)
         vg = alj.adaptive_value_and_grad(loss)
         grads = jax.jit(lambda s: vg(s, params, x))
-        return Case(grads, state, params, lambda: jax.grad(loss)(params, x))
+        return Case(grads, state, params, lambda: jax.jit(jax.grad(loss))(params, x))
     from flax import nnx
 
     from adaloss_jax.flax import nnx_adaptive_value_and_grad

@@ -376,7 +376,7 @@ def test_a_scanned_chain_decides_under_transformations_of_the_loss(around):
     prior = {"stack[0]": 5, "stack[1]": -3, "stack[2]": 9}
     state = (state[0].with_log2_scales(prior), state[1])
     got, _, stats = step(state, p, x, _Y)
-    assert_fp32_trees_close(got, jax.grad(wrapped)(p, x))
+    assert_fp32_trees_close(got, jax.jit(jax.grad(wrapped))(p, x))
     if around == "cond":  # a stack inside a cond branch gets no slots (one scale)
         assert "stack[0]" not in stats.log2_scales
         return
@@ -422,7 +422,7 @@ def test_a_scanned_transformer_decides_inside_each_block_as_its_unrolled_twin():
         prior = {g: int(rng.integers(-6, 7)) for g in ad.log2_scales}
         state = (ad.with_log2_scales(prior), state[1])
         got, _, stats = step(state, p, tokens, _Y)
-        assert_fp32_trees_close(got, jax.grad(loss)(p, tokens))
+        assert_fp32_trees_close(got, jax.jit(jax.grad(loss))(p, tokens))
         runs[name] = (stats, prior)
     (su, _), (ss, prior_s) = runs["unrolled"], runs["scanned"]
     inside = ("attn/qkv", "attn/proj", "mlp/fc1", "mlp/fc2", "ln1", "ln2")

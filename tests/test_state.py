@@ -53,7 +53,7 @@ def test_the_statistics_name_the_groups_they_measured():
     from _stacked import loss
     st = _state()
     x = jnp.ones((2, 4), jnp.float16)
-    _, _, stats = alj.adaptive_value_and_grad(loss)(st, params(), x)
+    _, _, stats = jax.jit(alj.adaptive_value_and_grad(loss))(st, params(), x)
     assert set(stats.log2_scales) <= set(st.groups)
     assert {f"{STACK}[{i}]" for i in range(3)} <= set(stats.amax)
     assert all(float(stats.amax[g]) > 0 for g in stats.amax if g)

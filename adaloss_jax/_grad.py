@@ -173,7 +173,7 @@ def _root_casts(rec: _record.Recording, scaler: AdaptiveScale, owners: list,
     if not casts:
         return rec
     inside = _stream.in_loss_region(jaxpr, rec.sizes, owners,
-                                    [jaxpr.eqns[i].outvars[0] for i in casts], stacks=stacks)
+                                    [_jaxpr.region_var(jaxpr, i) for i in casts], stacks=stacks)
     return _record.mark_casts(rec, [i for i, k in zip(casts, inside) if k])
 
 

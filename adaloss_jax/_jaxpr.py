@@ -122,21 +122,69 @@ class Reader:
         return OPAQUE
 
 
-def widening_casts(jaxpr, narrow, reader: Reader | None = None) -> list[int]:
-    """The equations of ``jaxpr``'s top level that cast a value computed after a scale
-    point from a ``narrow`` float dtype to float32 or float64 (``x.astype(jnp.float32)``
-    on a model's output, in the loss): in the backward pass, where the cotangent is cast
-    down to the narrow dtype. Their indices."""
-    reader = reader or Reader()
-    after: set = set()  # variables computed from a point's outputs
-    found = []
+def nested_jit(eqn):
+    """The jaxpr of a nested ``jit`` (a ``ClosedJaxpr``: constants allowed) or
+    ``checkpoint`` (an open ``Jaxpr`` without constants) equation whose inputs and
+    outputs are the equation's, else ``None``."""
+    if eqn.primitive.name not in ("jit", "pjit") and eqn.primitive.name not in _REMAT:
+        return None
+    inner = eqn.params.get("jaxpr")
+    body = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+    if (not isinstance(body, jcore.Jaxpr) or (body.constvars and body is inner)
+            or len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars)):
+        return None
+    return inner
+
+
+def _body(inner):
+    return inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
+
+
+def widening_casts(jaxpr, narrow, reader: Reader | None = None) -> list[tuple[int, ...]]:
+    """The equations that cast a value computed after a scale point from a ``narrow``
+    float dtype to float32 or float64 (``x.astype(jnp.float32)`` on a model's output, in
+    the loss): in the backward pass, where the cotangent is cast down to the narrow
+    dtype. Each as its path: ``(i,)`` for equation ``i`` of ``jaxpr``'s top level,
+    ``(i, j, ...)`` for equation ``j`` inside the nested ``jit`` or ``checkpoint`` at
+    ``i`` (a jitted or rematerialised loss, a jitted cross-entropy), and so on down."""
+    return _casts(jaxpr, narrow, reader or Reader(), set(), ())[0]
+
+
+def _casts(jaxpr, narrow, reader: Reader, after: set, prefix: tuple) -> tuple[list, set]:
+    """The casts under ``prefix`` (:func:`widening_casts`), and the variables computed
+    from a point's outputs (``after``: those among the inputs)."""
+    after = set(after)
+    found: list[tuple[int, ...]] = []
     for i, eqn in enumerate(jaxpr.eqns):
         kind = reader.kind(eqn)
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
+        inner = nested_jit(eqn) if kind in (PLAIN, INLINE, REMAT) else None
+        if inner is not None:  # walked inside: a cast there is found at its own place
+            body = _body(inner)
+            got, inner_after = _casts(
+                body, narrow, reader,
+                {u for v, u in zip(eqn.invars, body.invars)
+                 if isinstance(v, jcore.Var) and v in after}, prefix + (i,))
+            found += got
+            after.update(o for o, u in zip(eqn.outvars, body.outvars)
+                         if isinstance(u, jcore.Var) and u in inner_after)
+            continue
         if kind not in (PLAIN, PARAMS) or any(v in after for v in ins):
             after.update(eqn.outvars)
         if (eqn.primitive.name == "convert_element_type" and ins and ins[0] in after
                 and ins[0].aval.dtype in narrow
                 and eqn.outvars[0].aval.dtype.name in ("float32", "float64")):
-            found.append(i)
-    return found
+            found.append(prefix + (i,))
+    return found, after
+
+
+def region_var(jaxpr, path: tuple[int, ...], reader: Reader | None = None):
+    """A variable of ``jaxpr``'s walked program in the region of the cast at ``path``
+    (:func:`widening_casts`): the cast's output, or where the path enters a nested
+    ``jit`` or ``checkpoint`` with no point inside (not walked: one region), that
+    equation's output."""
+    reader = reader or Reader()
+    eqn = jaxpr.eqns[path[0]]
+    if len(path) == 1 or reader.kind(eqn) == PLAIN:
+        return eqn.outvars[0]
+    return region_var(_body(nested_jit(eqn)), path[1:], reader)

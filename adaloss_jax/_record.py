@@ -313,32 +313,48 @@ def record(fun: Callable, params: Any, args: tuple, kwargs: dict, selects: Calla
         reported=recorder.reported, dtypes=frozenset(recorder.dtypes))
 
 
-def mark_casts(rec: Recording, at: Sequence[int]) -> Recording:
-    """``rec`` with a scale point of its own after each of the top-level cast equations
-    ``at`` (:func:`adaloss_jax._jaxpr.widening_casts`), numbered after the recorded
-    ones: a point on the wide side of a cast measures the cotangent before it is cast
-    down. Nothing else in the program changes."""
+def mark_casts(rec: Recording, at: Sequence[tuple[int, ...]]) -> Recording:
+    """``rec`` with a scale point of its own after each of the cast equations ``at``
+    (their paths, :func:`adaloss_jax._jaxpr.widening_casts`: at the top level or inside
+    nested ``jit`` or ``checkpoint`` equations, whose jaxprs are rebuilt with the point
+    inside), numbered after the recorded ones in program order: a point on the wide side
+    of a cast measures the cotangent before it is cast down. Nothing else in the program
+    changes."""
     if not at:
         return rec
-    closed = rec.closed
-    jaxpr = closed.jaxpr
-    eqns, sub, at = [], {}, frozenset(at)
     casts = dict(rec.casts)
     sizes = list(rec.sizes)
-    for i, eqn in enumerate(jaxpr.eqns):
-        eqn = eqn.replace(invars=[sub.get(v, v) if isinstance(v, jcore.Var) else v
-                                  for v in eqn.invars])
-        eqns.append(eqn)
-        if i in at:
-            y = eqn.outvars[0]
-            n = len(sizes)
-            sizes.append(1)
-            casts[n] = jnp.dtype(eqn.invars[0].aval.dtype)
-            aval = jax.ShapeDtypeStruct(y.aval.shape, y.aval.dtype)
-            template = jax.make_jaxpr(_identity(f"{_jaxpr.POINT_PREFIX}{n}"))(aval).jaxpr
-            out = jcore.Var(y.aval)
-            eqns.append(template.eqns[0].replace(invars=[y], outvars=[out]))
-            sub[y] = out
-    outvars = [sub.get(v, v) if isinstance(v, jcore.Var) else v for v in jaxpr.outvars]
-    closed = jcore.ClosedJaxpr(jaxpr.replace(eqns=eqns, outvars=outvars), closed.consts)
+
+    def insert(jaxpr, paths):
+        here = {p[0] for p in paths if len(p) == 1}
+        deeper: dict = {}
+        for p in paths:
+            if len(p) > 1:
+                deeper.setdefault(p[0], []).append(p[1:])
+        eqns, sub = [], {}
+        for i, eqn in enumerate(jaxpr.eqns):
+            eqn = eqn.replace(invars=[sub.get(v, v) if isinstance(v, jcore.Var) else v
+                                      for v in eqn.invars])
+            if i in deeper:  # a nested jit or checkpoint: its jaxpr with the points inside
+                inner = _jaxpr.nested_jit(eqn)
+                if isinstance(inner, jcore.ClosedJaxpr):
+                    inner = jcore.ClosedJaxpr(insert(inner.jaxpr, deeper[i]), inner.consts)
+                else:
+                    inner = insert(inner, deeper[i])
+                eqn = eqn.replace(params={**eqn.params, "jaxpr": inner})
+            eqns.append(eqn)
+            if i in here:
+                y = eqn.outvars[0]
+                n = len(sizes)
+                sizes.append(1)
+                casts[n] = jnp.dtype(eqn.invars[0].aval.dtype)
+                aval = jax.ShapeDtypeStruct(y.aval.shape, y.aval.dtype)
+                template = jax.make_jaxpr(_identity(f"{_jaxpr.POINT_PREFIX}{n}"))(aval).jaxpr
+                out = jcore.Var(y.aval)
+                eqns.append(template.eqns[0].replace(invars=[y], outvars=[out]))
+                sub[y] = out
+        outvars = [sub.get(v, v) if isinstance(v, jcore.Var) else v for v in jaxpr.outvars]
+        return jaxpr.replace(eqns=eqns, outvars=outvars)
+
+    closed = jcore.ClosedJaxpr(insert(rec.closed.jaxpr, list(at)), rec.closed.consts)
     return rec._replace(closed=closed, sizes=sizes, casts=casts)

@@ -153,6 +153,14 @@ MUTATIONS = {
         ["tests/test_live.py"],
         "the root's cotangent is measured only after the loss casts it down: in the tiny "
         "regime it flushes there, the root jumps blind, and step 1 is skipped too"),
+    "nested-loss-cast-unmeasured": (
+        "adaloss_jax/_jaxpr.py",
+        "        inner = nested_jit(eqn) if kind in (PLAIN, INLINE, REMAT) else None",
+        "        inner = None",
+        ["tests/test_live.py"],
+        "a loss jitted whole (or its cross-entropy jitted, or the loss under "
+        "jax.checkpoint) gets no point at its cast: in the tiny regime the root measures "
+        "nothing, jumps blind, and step 1 is skipped too"),
     "every-cast-measured": (
         "adaloss_jax/_grad.py",
         "    return _record.mark_casts(rec, [i for i, k in zip(casts, inside) if k])",

@@ -907,6 +907,63 @@ def test_the_root_is_measured_before_the_loss_casts_its_cotangent_down(grad_dtyp
     assert skipped == [0]
 
 
+_WRAPS = {
+    "jit": lambda loss, ce: jax.jit(loss),  # the whole loss jitted
+    "jit-ce": lambda loss, ce: loss(ce=jax.jit(ce)),  # a jitted cross-entropy
+    "remat": lambda loss, ce: jax.checkpoint(loss),
+}
+
+
+@pytest.mark.parametrize("wrap", sorted(_WRAPS))
+def test_a_loss_cast_inside_a_nested_jit_or_checkpoint_is_measured_before_it_narrows(wrap):
+    """The loss of the test above (x 2^-30) jitted whole, its cross-entropy jitted on
+    its own, or the loss under ``jax.checkpoint``: the cast sits inside a nested
+    equation, and its point goes there. The root's statistics after step 0 hold the
+    fp32 amax at the cast, and only step 0 is skipped (with no point inside, the root
+    measured nothing, jumped blind, and step 1 was skipped too)."""
+    from adaloss_jax.flax import TrainState, linen_train_step
+
+    model = _models.MLP(depth=3, width=32)
+    x = jax.random.normal(jax.random.key(0), (64, 16))
+    y = jax.random.randint(jax.random.key(1), (64,), 0, 4)
+    params = model.init(jax.random.key(2), x)["params"]
+
+    def ce(logits):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), y).mean() * 2.0**-30
+
+    def loss(p=None, x=None, ce=ce):
+        if p is None:
+            return lambda p, x: ce(model.apply({"params": p}, x))
+        return ce(model.apply({"params": p}, x))
+
+    loss_fn = _WRAPS[wrap](loss, ce)
+    scaler = alj.adaptive(groups="module", retries=0)
+    state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
+                              scaler=scaler)
+    rec, _, _ = _grad_trace(loss_fn, scaler, params, x)
+    assert [jnp.dtype(d).name for d in rec.casts.values()] == ["float16"]
+    step = jax.jit(lambda s: linen_train_step(s, loss_fn, x))
+    logits = model.apply({"params": params}, x)
+    want = float(jnp.log2(jnp.max(jnp.abs(jax.grad(ce)(logits.astype(jnp.float32))))))
+    assert want < -25  # below fp16's smallest subnormal: flushed at the cast
+    skipped = []
+    for i in range(3):
+        state, _ = step(state)
+        st = alj.scale_state(state)
+        if i == 0:
+            assert float(st.log2_amax[""]) == pytest.approx(want, abs=1e-5)
+        if not bool(st.last_applied):
+            skipped.append(i)
+    assert skipped == [0]
+
+
+def _grad_trace(loss_fn, scaler, params, *args):
+    from adaloss_jax import _grad
+
+    return _grad.trace(loss_fn, scaler, params, args, {})
+
+
 def test_only_casts_of_the_loss_region_get_a_point():
     """The attention block casts inside a module (its scores, LayerNorm's statistics) and
     its loss casts the logits and, to add them, the input data: only the logits' cast,
@@ -925,6 +982,14 @@ def test_only_casts_of_the_loss_region_get_a_point():
 
     rec, _, _ = _grad.trace(loss_fn, alj.adaptive(groups="module"), params, (x, y), {})
     assert [jnp.dtype(d).name for d in rec.casts.values()] == ["float16"]
+    # The same loss jitted: the casts sit inside the nested jit, and still only the
+    # logits' one is measured.
+    nested, _, _ = _grad.trace(jax.jit(loss_fn), alj.adaptive(groups="module"), params,
+                               (x, y), {})
+    assert [jnp.dtype(d).name for d in nested.casts.values()] == ["float16"]
+    (point,) = [e for e in nested.closed.jaxpr.eqns[-1].params["jaxpr"].jaxpr.eqns
+                if _point_of(e) in nested.casts]
+    assert point.invars[0].aval.shape == (4, 8, 10)  # the logits', cast to float32
     cast = next(e for e in rec.closed.jaxpr.eqns
                 if e.primitive.name == "convert_element_type"
                 and any(v is e.outvars[0] for p in rec.closed.jaxpr.eqns

@@ -124,16 +124,15 @@ class Reader:
 
 def nested_jit(eqn):
     """The jaxpr of a nested ``jit`` (a ``ClosedJaxpr``: constants allowed) or
-    ``checkpoint`` (an open ``Jaxpr`` without constants) equation whose inputs and
-    outputs are the equation's, else ``None``."""
-    if eqn.primitive.name not in ("jit", "pjit") and eqn.primitive.name not in _REMAT:
-        return None
+    ``checkpoint`` (an open ``Jaxpr`` without constants) equation, else ``None``. (Both
+    take and return what the equation does.)"""
     inner = eqn.params.get("jaxpr")
-    body = inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
-    if (not isinstance(body, jcore.Jaxpr) or (body.constvars and body is inner)
-            or len(body.invars) != len(eqn.invars) or len(body.outvars) != len(eqn.outvars)):
-        return None
-    return inner
+    if eqn.primitive.name in ("jit", "pjit") and isinstance(inner, jcore.ClosedJaxpr):
+        return inner
+    if (eqn.primitive.name in _REMAT and isinstance(inner, jcore.Jaxpr)
+            and not inner.constvars):
+        return inner
+    return None
 
 
 def _body(inner):

@@ -966,8 +966,9 @@ def _grad_trace(loss_fn, scaler, params, *args):
 
 def test_only_casts_of_the_loss_region_get_a_point():
     """The attention block casts inside a module (its scores, LayerNorm's statistics) and
-    its loss casts the logits and, to add them, the input data: only the logits' cast,
-    the one the root's cotangent narrows at, is measured."""
+    its loss casts the logits and, to add them, the input data (as it is, and doubled
+    in a nested jit): only the logits' cast, the one the root's cotangent narrows at,
+    is measured."""
     from adaloss_jax import _grad
 
     model = _AttnBlock()
@@ -975,10 +976,12 @@ def test_only_casts_of_the_loss_region_get_a_point():
     y = jax.random.randint(jax.random.key(1), (4, 8), 0, 10)
     params = model.init(jax.random.key(2), x)["params"]
 
+    twice = jax.jit(lambda v: v * 2)  # data through a nested jit: no module's output
+
     def loss_fn(p, x, y):
         logits = model.apply({"params": p}, x).astype(jnp.float32)
         ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
-        return ce + 0.0 * jnp.sum(x.astype(jnp.float32))
+        return ce + 0.0 * jnp.sum(x.astype(jnp.float32) + twice(x).astype(jnp.float32))
 
     rec, _, _ = _grad.trace(loss_fn, alj.adaptive(groups="module"), params, (x, y), {})
     assert [jnp.dtype(d).name for d in rec.casts.values()] == ["float16"]

@@ -6,8 +6,8 @@ import os
 # Must happen before jax initialises its backends. The tests compile hundreds of small
 # programs and run each a few steps: LLVM at -O0 (the HLO passes are unchanged, and so is
 # the arithmetic, fast-math being off, though loops may sum in another order) compiles
-# them faster than the default -O2 (the fast tier takes about 4.5 minutes on 2 cores,
-# over its 3-minute target; README). Subprocesses inherit it.
+# them faster than the default -O2 (the fast tier's time on 2 cores: README).
+# Subprocesses inherit it.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                                    "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -958,6 +958,37 @@ def test_a_loss_cast_inside_a_nested_jit_or_checkpoint_is_measured_before_it_nar
     assert skipped == [0]
 
 
+def test_one_jitted_cross_entropy_called_twice_gets_a_point_per_call_and_stays_exact():
+    """A jitted cross-entropy called on two heads inside a jitted loss: jax hands both
+    calls the same inner jaxpr, and each call site gets its own rebuilt copy with its
+    own cast point (an fp16 model). An fp32 model with the same loss, scaled at
+    arbitrary per-group scales, gets exact gradients."""
+    x = jax.random.normal(jax.random.key(0), (64, 16))
+    y = jax.random.randint(jax.random.key(1), (64,), 0, 4)
+    ce = jax.jit(lambda logits, y: optax.softmax_cross_entropy_with_integer_labels(
+        logits.astype(jnp.float32), y).mean())
+
+    def loss_of(model):
+        def loss_fn(p, x, y):
+            out = model.apply({"params": p}, x)
+            return jax.jit(lambda o: ce(o, y) + ce(o * 2, (y + 1) % 4))(out)
+        return loss_fn
+
+    m16 = _models.MLP(depth=3, width=32)
+    p16 = m16.init(jax.random.key(2), x)["params"]
+    rec, _, _ = _grad_trace(loss_of(m16), alj.adaptive(groups="module"), p16, x, y)
+    assert [jnp.dtype(d).name for d in rec.casts.values()] == ["float16", "float16"]
+
+    m32 = _models.MLP(depth=3, width=32, dtype=jnp.float32)
+    params = m32.init(jax.random.key(2), x)["params"]
+    scaler = alj.adaptive(groups="module", compute_dtype="float16")
+    groups = alj.adaptive_unscale(scaler).init(params).groups
+    log2 = dict(zip(groups, [5, -3, 9, 0, 12]))
+    step, state = _grads_through(scaler, loss_of(m32), params, (x, y), log2)
+    got, _, _ = step(state, params, x, y)
+    assert_fp32_trees_close(got, jax.jit(jax.grad(loss_of(m32)))(params, x, y))
+
+
 def _grad_trace(loss_fn, scaler, params, *args):
     from adaloss_jax import _grad
 

@@ -6,11 +6,42 @@ import os
 # Must happen before jax initialises its backends. The tests compile hundreds of small
 # programs and run each a few steps: LLVM at -O0 (the HLO passes are unchanged, and so is
 # the arithmetic, fast-math being off, though loops may sum in another order) compiles
-# them faster than the default -O2 (the fast tier's time on 2 cores: README).
-# Subprocesses inherit it.
+# them faster than the default -O2, and what they compile is kept (below; the fast
+# tier's time on 2 cores: README). Subprocesses inherit both.
 os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
                                    "--xla_backend_optimization_level=0")
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+
+def _xla_cache():
+    """XLA's persistent compilation cache for the tests, in the checkout's `.xla-cache/`
+    (git-ignored), shared by the xdist workers and the subprocesses they start.
+
+    Most of a test's time is compiling. Many tests compile the same program (one model,
+    one configuration, traced anew), and a program compiled once is then read back
+    instead; a later run compiles only the programs a change touched. The cache is keyed
+    by the program, the compile options, XLA_FLAGS, the devices and the jaxlib version, so what
+    is read back is what would have been compiled. Set JAX_COMPILATION_CACHE_DIR to put
+    it elsewhere, ADALOSS_TEST_XLA_CACHE=0 to compile everything. Emptied when it grows
+    past 2 GiB (by the first process of a run, before any worker starts).
+    """
+    if os.environ.get("ADALOSS_TEST_XLA_CACHE", "1") == "0":
+        return
+    if "JAX_COMPILATION_CACHE_DIR" not in os.environ:
+        root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        path = os.path.join(root, ".xla-cache")
+        if "PYTEST_XDIST_WORKER" not in os.environ and os.path.isdir(path):
+            size = sum(e.stat().st_size for e in os.scandir(path) if e.is_file())
+            if size > 2 * 2**30:
+                import shutil
+
+                shutil.rmtree(path, ignore_errors=True)
+        os.environ["JAX_COMPILATION_CACHE_DIR"] = path
+    # Every program, however quick to compile: the small ones are most of them.
+    os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+
+
+_xla_cache()
 
 import numpy as np  # noqa: E402
 import pytest  # noqa: E402

@@ -155,6 +155,15 @@ def main(argv=None) -> int:
             stale.append(name)
         elif not status[name].startswith("killed"):
             equivalent.append(name)
+    unrun = [n for n in sample if status[n] == "not checked"]
+    if unrun:  # (no score: mutmut ran none of these, most often because its first run of
+        # the tests, the one that finds which tests reach which function, failed)
+        print(f"mutmut ran {len(unrun)} of the {len(sample)} sampled mutants not at all "
+              f"(see its output above: 'failed to collect stats' means a test fails in "
+              f"mutants/ without any mutant; run the fast tier there to see which, and "
+              f"deselect a test that reads the package's source in pyproject.toml's "
+              f"[tool.mutmut]): no score", file=sys.stderr)
+        return 2
     counted = [n for n in sample if n not in equivalent]
     killed = [n for n in counted if status[n].startswith("killed")]
     print()

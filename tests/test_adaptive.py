@@ -263,6 +263,25 @@ def test_global_mode_has_one_group_and_matches_fp32():
     assert_fp32_trees_close(got, ref)
 
 
+def test_global_mode_on_a_loss_without_modules_measures_its_gradients():
+    """One global scale needs no module: a plain function of its parameters (no
+    ``scale_group``, nothing for the backward pass to measure at a point) is measured by
+    its gradients alone, and its step is fp32's."""
+    w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
+    x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 4)), jnp.float32)
+
+    def loss(p, x, y=None):
+        return jnp.sum(jnp.tanh(x @ p["w"]) ** 2)
+
+    scaler = alj.adaptive(compute_dtype="float16", groups="global")
+    step, state = _grads_through(scaler, loss, {"w": w}, (x,), {"": 5})
+    got, new, stats = step(state, {"w": w}, x, jnp.zeros(()))
+    assert float(stats.amax[""]) == 0.0  # (no point measured anything)
+    assert bool(new[0].base.last_applied)
+    assert float(new[0].log2_amax[""]) > -math.inf  # the gradients were
+    assert_fp32_trees_close(got, jax.grad(loss)({"w": w}, x))
+
+
 @pytest.mark.slow
 def test_frozen_submodule_runs_at_parent_scale():
     """Only part of the parameters is trained (the reused block is frozen: the stream

@@ -20,7 +20,8 @@ def _state():
 
 def test_a_stack_is_one_row_until_a_layer_measured_then_a_row_per_layer():
     st = _state()
-    rows = scale_table(st, legend=False).splitlines()[1:]
+    header, *rows = scale_table(st, legend=False).splitlines()
+    assert header.split() == ["group", "log2", "scale", "log2", "unit", "amax", "overflowed"]
     assert [r.split()[0] for r in rows] == ["(root)", "Dense_0", STACK]
     amax = st.log2_amax.array.at[st.groups.index(f"{STACK}[2]")].set(-3.0)
     rows = scale_table(st.replace(log2_amax=type(st.log2_amax)(st.groups, amax)),

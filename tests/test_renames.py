@@ -27,3 +27,14 @@ def test_the_training_path_stays_at_the_top_without_a_warning():
             getattr(alj, name)
     with pytest.raises(AttributeError, match="no_such_name"):
         alj.no_such_name  # noqa: B018
+
+
+def test_a_renamed_front_end_function_warns_with_both_names():
+    """The warning names the old spelling the user wrote and the new one to write."""
+    from adaloss_jax import flax as alj_flax
+
+    with pytest.warns(DeprecationWarning) as caught:
+        assert alj_flax.train_step is alj_flax.linen_train_step
+    (message,) = [str(w.message) for w in caught]
+    assert "adaloss_jax.flax.train_step" in message
+    assert "adaloss_jax.flax.linen_train_step" in message

@@ -42,6 +42,18 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "+        ok = jax.lax.pmin(ok.astype(None), axis_name) > 0",
         "astype(None) makes the bool a float32 0.0/1.0; its pmin is > 0 exactly when "
         "the int32 one is"),
+    "adaloss_jax._apply.x__eval_run__mutmut_24": (
+        '+    info = jcore.DebugInfo("ADALOSS_JAX", "the recorded loss", tuple("" for _ in free),',
+        "the name a replayed jaxpr's debug info is traced for: read by nothing, printed "
+        "by nothing a user sees"),
+    "adaloss_jax._apply.xǁProgramǁdummies__mutmut_4": (
+        "+    return [jnp.zeros((*s.lead, self.columns.width), ) for s in self.sites()]",
+        "jnp.zeros' default dtype is float32 (jax_enable_x64 off, as the library runs)"),
+    "adaloss_jax._stream.xǁ_Walkerǁwalk__mutmut_148": (
+        "+                           )",
+        "a nested jaxpr's constants joined to its equation's region: the walk of its body "
+        "with that region as its blob joins every variable an equation there reads, "
+        "constants included, and a constant nothing reads belongs to no region"),
 }
 
 
@@ -143,6 +155,9 @@ def main(argv=None) -> int:
         # here; it is the code of a test module that fails to import the mutant.
         if by_name[name].exit_code_by_key.get(name) == 2:
             status[name] = "killed (the tests fail to import it)"
+        elif status[name] == "segfault":  # (mutmut's name for a crashed test process:
+            # the tests did not pass, so the break was caught)
+            status[name] = "killed (the tests' process crashed)"
     for name in sample:
         if status[name] in ("survived", "no tests") and _own_tests_fail(name):
             status[name] = "killed by its module's tests"

@@ -559,6 +559,58 @@ def test_a_checkpoint_or_jit_of_the_loss_decides_inside_and_stays_exact(wrap):
     assert_fp32_trees_close(got, jax.grad(_chain_loss)(params, jnp.asarray(_X)))
 
 
+class _Lender(nn.Module):
+    """Owns two parameters and reads one: the other is read by a sibling."""
+
+    def setup(self):
+        self.own = self.param("own", nn.initializers.normal(0.5), (6, 6))
+        self.lent = self.param("lent", nn.initializers.normal(0.5), (6, 6))
+
+    def __call__(self, x):
+        return jnp.tanh(x @ self.own.astype(x.dtype))
+
+
+class _Borrower(nn.Module):
+    @nn.compact
+    def __call__(self, x, w):
+        b = self.param("b", nn.initializers.normal(0.1), (6,))
+        return jnp.tanh(x @ w.astype(x.dtype) + b.astype(x.dtype))
+
+
+class _Lending(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        lender = _Lender()
+        h = lender(x)
+        return nn.Dense(3)(_Borrower()(h, lender.lent))
+
+
+def test_a_parameter_read_by_another_module_is_converted_at_its_owners_choice():
+    """A module's parameter read only by a sibling module (not by its owner) reaches the
+    sibling's region at its owner's scale: when the owner's region chooses its scale in
+    the backward pass, that parameter's conversion takes the choice by token, and the
+    gradient stays exact in fp32 whatever the prior scales."""
+    model = _Lending()
+    x = jnp.asarray(np.random.default_rng(0).normal(size=(16, 6)), jnp.float32)
+    params = model.init(jax.random.PRNGKey(0), x)["params"]
+
+    def loss(p, x, y=None):
+        return jnp.sum(model.apply({"params": p}, x) * jnp.arange(3.0))
+
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", retries=0)
+    _, program, _ = alj._grad.trace(loss, scaler, params, (x,), {})
+    lent = [i for i, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(params))
+            if "lent" in jax.tree_util.keystr(path)]
+    assert program.live.needs.get((_live.PARAMS_KEY, *lent)) == ("_Lender_0",)
+    prior = {"": 2, "_Lender_0": -6, "_Borrower_0": 9, "Dense_0": 4}
+    step, state = _grads_through(scaler, loss, params, (x,), {
+        g: prior.get(g, 0) for g in alj.param_groups(params, scaler)})
+    got, new_state, stats = step(state, params, x, jnp.zeros(()))
+    assert bool(new_state[0].base.last_applied)
+    assert float(stats.log2_scales["_Lender_0"]) != prior["_Lender_0"]  # chosen here
+    assert_fp32_trees_close(got, jax.grad(loss)(params, x))
+
+
 def test_a_scan_of_the_loss_keeps_the_plan_and_stays_exact():
     """Inside a scan a point's backward pass runs once per iteration, and a module's
     parameters are shared by them all: it keeps the rule's scale."""

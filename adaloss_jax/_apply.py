@@ -160,9 +160,13 @@ class Program:
                 kind = self.reader.kind(eqn)
                 if kind == _jaxpr.POINT:
                     out += self._point_sites(eqn)
-                elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.COND):
+                elif kind in (_jaxpr.INLINE, _jaxpr.REMAT):
                     for sub in _jaxpr.subprograms(eqn):
                         out += self._sites_of(sub.jaxpr)
+                elif kind == _jaxpr.COND:  # (a branch's rows stay zero when not taken)
+                    out += [s._replace(row=s.row._replace(branch=id(eqn)))
+                            for sub in _jaxpr.subprograms(eqn)
+                            for s in self._sites_of(sub.jaxpr)]
                 elif kind in (_jaxpr.SCAN, _jaxpr.SHARD_MAP):  # a row per iteration, device
                     n = eqn.params["length"] if kind == _jaxpr.SCAN else _devices(eqn.params)
                     layers = id(eqn) in self.plan.scans
@@ -193,8 +197,7 @@ class Program:
             axes = [a for a in range(len(s.lead)) if a != s.layer_axis]
             values.append(_channel.reduce_rows(r, axes))
             specs += ([s.row] if s.layer_axis is None else  # a row per layer
-                      [_channel.Row(_stream.at(s.row.y, i), _stream.at(s.row.x, i), s.row.y_max,
-                                    s.row.x_max)
+                      [s.row._replace(y=_stream.at(s.row.y, i), x=_stream.at(s.row.x, i))
                        for i in range(s.lead[s.layer_axis])])
         fmt = self.scaler.format
         return _channel.decode(specs, values, used, self.columns, fmt.max,

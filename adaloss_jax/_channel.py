@@ -247,6 +247,9 @@ class Row(NamedTuple):
     x_max: float
     wide: bool = False  # measured in a wider dtype before a cast narrows it: nothing
     # it measured was lost where it is stored
+    branch: int | None = None  # in a ``cond``'s branch: the cond (its outermost, in
+    # the program). A branch's backward pass runs only where it was taken: a row of
+    # zeros there is a sign that zeros arrived only if every row of its cond is zeros
 
 
 def _shift_hist(hist: jax.Array, k) -> jax.Array:
@@ -353,10 +356,12 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
                                 jnp.asarray(p_grp), ng) > 0
     # A row stored in the scaler's format (where it rounds, or where the model computes
     # in it) that arrived non-zero and flushed entirely there: one scale lost it. The
-    # groups it went to are starved (and so is every group a row reached as zeros): what
-    # was lost, and all computed from it, is missing from their statistics.
+    # groups it went to are starved (and so is every group a row reached as zeros, but
+    # for a row of a cond's branch that was not taken): what was lost, and all computed
+    # from it, is missing from their statistics.
     flushed, starved, lost_amax = jnp.asarray(False), None, None
-    lost = amax_r == 0
+    zero = (amax_r == 0) & ~_untaken(rows, amax_r)
+    lost = zero
     if fmt_min is not None:
         stored_in = jnp.asarray([r.x_max == fmt_max and not r.wide for r in rows])
         stored = amax_r * _formats.pow2(sigma_vec[x_set] - sigma_vec[y_set])
@@ -365,20 +370,36 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
         starved = vec(jax.ops.segment_max(any_of(lost, x_set)[jnp.asarray(p_set)].astype(
             jnp.int32), jnp.asarray(p_grp), ng) > 0)
         lost_amax = vec(jax.ops.segment_max(
-            _lost_amax(rows, amax_r, gone, sigma_vec[y_set], xs, ys, ns, fmt_max)[
+            _lost_amax(rows, amax_r, gone, sigma_vec[y_set], xs, ys, ns, fmt_max, zero)[
                 jnp.asarray(p_set)], jnp.asarray(p_grp), ng))
     return ScaleStats(used, vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
                       sumsq=sumsq, count=count, hist=hist, flushed=flushed,
                       starved=starved, lost_amax=lost_amax)
 
 
+def _untaken(rows: Sequence[Row], amax_r: jax.Array) -> jax.Array:
+    """Per row, whether it lies in a ``cond``'s branch that may not have been taken: some
+    row of the same cond measured something (so a row of zeros there is a branch the
+    backward pass did not run, not zeros that arrived)."""
+    conds = sorted({r.branch for r in rows if r.branch is not None})
+    if not conds:
+        return jnp.zeros((len(rows),), bool)
+    at = {c: i for i, c in enumerate(conds)}
+    idx = jnp.asarray([at[r.branch] if r.branch is not None else len(conds)
+                       for r in rows], jnp.int32)
+    seen = jax.ops.segment_max((amax_r > 0).astype(jnp.int32), idx, len(conds) + 1) > 0
+    return jnp.asarray([r.branch is not None for r in rows]) & seen[idx]
+
+
 def _lost_amax(rows, amax_r, gone, sigma_y, x_set: list, y_set: list, ns: int,
-               fmt_max: float):
+               fmt_max: float, zero=None):
     """Per anchor set, log2 of the largest value (at unit scale, in units of the
     format) that was measured before it was lost on its way into the set: where it
     flushed entirely (that row's own amax), where it was measured on the wide side of a
     cast (it flushes at the cast), and, along rows that arrived as zeros, whatever their
-    own side had lost; -inf where nothing was. ``x_set``, ``y_set``: each row's sets.
+    own side had lost; -inf where nothing was. ``x_set``, ``y_set``: each row's sets;
+    ``zero``: the rows that arrived as zeros (default: those of amax 0; a branch not
+    taken is none, :func:`_untaken`).
 
     A closure over the rows that arrived as zeros: set ``x`` receives what every set
     reaching it along such rows lost. Computed without a loop whose length depends on
@@ -390,9 +411,9 @@ def _lost_amax(rows, amax_r, gone, sigma_y, x_set: list, y_set: list, ns: int,
     wide = jnp.asarray([r.wide for r in rows])
     unit = jnp.log2(jnp.where(amax_r > 0, amax_r, 1.0) * lim) - sigma_y
     x_set, y_set = jnp.asarray(x_set, jnp.int32), jnp.asarray(y_set, jnp.int32)
+    zero = amax_r == 0 if zero is None else zero
     seen = jax.ops.segment_max(jnp.where((gone | wide) & (amax_r > 0), unit, -jnp.inf),
                                x_set, ns)
-    zero = amax_r == 0
     if ns <= _DENSE_SETS:
         # reach[x, y]: x receives what y lost (itself, or along rows of zeros)
         reach = jnp.eye(ns, dtype=jnp.float32).at[x_set, y_set].max(

@@ -139,13 +139,44 @@ def _body(inner):
     return inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
 
 
+def cast_bodies(eqn) -> list:
+    """The sub-jaxprs a cast of the loss is looked for in (:func:`widening_casts`), as the
+    equation holds them (``ClosedJaxpr`` or open ``Jaxpr``): a nested ``jit`` or
+    ``checkpoint``'s, a ``scan``'s body, a ``cond``'s branches; ``[]`` for any other
+    equation. Each takes the equation's operands in order (a ``cond`` less its index)."""
+    inner = nested_jit(eqn)
+    if inner is not None:
+        return [inner]
+    if eqn.primitive.name == "scan" and isinstance(eqn.params.get("jaxpr"),
+                                                   jcore.ClosedJaxpr):
+        return [eqn.params["jaxpr"]]
+    if eqn.primitive.name == "cond":
+        return list(eqn.params["branches"])
+    return []
+
+
+def with_cast_body(eqn, b: int, jaxpr):
+    """``eqn`` with its sub-jaxpr ``b`` of :func:`cast_bodies` replaced by the open
+    ``jaxpr`` (same inputs and outputs; the constants kept)."""
+    inner = cast_bodies(eqn)[b]
+    if isinstance(inner, jcore.ClosedJaxpr):
+        jaxpr = jcore.ClosedJaxpr(jaxpr, inner.consts)
+    if eqn.primitive.name == "cond":
+        branches = list(eqn.params["branches"])
+        branches[b] = jaxpr
+        return eqn.replace(params={**eqn.params, "branches": tuple(branches)})
+    return eqn.replace(params={**eqn.params, "jaxpr": jaxpr})
+
+
 def widening_casts(jaxpr, narrow, reader: Reader | None = None) -> list[tuple[int, ...]]:
     """The equations that cast a value computed after a scale point from a ``narrow``
     float dtype to float32 or float64 (``x.astype(jnp.float32)`` on a model's output, in
     the loss): in the backward pass, where the cotangent is cast down to the narrow
     dtype. Each as its path: ``(i,)`` for equation ``i`` of ``jaxpr``'s top level,
-    ``(i, j, ...)`` for equation ``j`` inside the nested ``jit`` or ``checkpoint`` at
-    ``i`` (a jitted or rematerialised loss, a jitted cross-entropy), and so on down."""
+    ``(i, b, j, ...)`` for equation ``j`` inside sub-jaxpr ``b`` of the equation at
+    ``i`` (:func:`cast_bodies`: a jitted or rematerialised loss, a jitted cross-entropy,
+    a cross-entropy computed chunk by chunk in a ``scan``, a ``cond``'s branch), and so
+    on down."""
     return _casts(jaxpr, narrow, reader or Reader(), set(), ())[0]
 
 
@@ -157,16 +188,28 @@ def _casts(jaxpr, narrow, reader: Reader, after: set, prefix: tuple) -> tuple[li
     for i, eqn in enumerate(jaxpr.eqns):
         kind = reader.kind(eqn)
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
-        inner = nested_jit(eqn) if kind in (PLAIN, INLINE, REMAT) else None
-        if inner is not None:  # walked inside: a cast there is found at its own place
-            body = _body(inner)
-            got, inner_after = _casts(
-                body, narrow, reader,
-                {u for v, u in zip(eqn.invars, body.invars)
-                 if isinstance(v, jcore.Var) and v in after}, prefix + (i,))
-            found += got
-            after.update(o for o, u in zip(eqn.outvars, body.outvars)
-                         if isinstance(u, jcore.Var) and u in inner_after)
+        bodies = cast_bodies(eqn) if kind in (PLAIN, INLINE, REMAT, SCAN, COND) else []
+        if bodies:  # walked inside: a cast there is found at its own place
+            operands = eqn.invars[1:] if eqn.primitive.name == "cond" else eqn.invars
+            carry = range(0)
+            if eqn.primitive.name == "scan":
+                nc = eqn.params["num_consts"]
+                carry = range(nc, nc + eqn.params["num_carry"])
+            for b, inner in enumerate(bodies):
+                body = _body(inner)
+                start = {u for v, u in zip(operands, body.invars)
+                         if isinstance(v, jcore.Var) and v in after}
+                while True:  # (a scan's carry computed after a point: its next iteration)
+                    got, inner_after = _casts(body, narrow, reader, start, prefix + (i, b))
+                    more = {body.invars[c] for j, c in enumerate(carry)
+                            if isinstance(body.outvars[j], jcore.Var)
+                            and body.outvars[j] in inner_after} - start
+                    if not more:
+                        break
+                    start |= more
+                found += got
+                after.update(o for o, u in zip(eqn.outvars, body.outvars)
+                             if isinstance(u, jcore.Var) and u in inner_after)
             continue
         if kind not in (PLAIN, PARAMS) or any(v in after for v in ins):
             after.update(eqn.outvars)
@@ -179,11 +222,14 @@ def _casts(jaxpr, narrow, reader: Reader, after: set, prefix: tuple) -> tuple[li
 
 def region_var(jaxpr, path: tuple[int, ...], reader: Reader | None = None):
     """A variable of ``jaxpr``'s walked program in the region of the cast at ``path``
-    (:func:`widening_casts`): the cast's output, or where the path enters a nested
-    ``jit`` or ``checkpoint`` with no point inside (not walked: one region), that
-    equation's output."""
+    (:func:`widening_casts`): the cast's output, or where the path enters an equation
+    with no point inside (not walked: one region), a variable that equation reads or
+    writes."""
     reader = reader or Reader()
     eqn = jaxpr.eqns[path[0]]
-    if len(path) == 1 or reader.kind(eqn) == PLAIN:
+    if len(path) == 1:
         return eqn.outvars[0]
-    return region_var(_body(nested_jit(eqn)), path[1:], reader)
+    if reader.kind(eqn) == PLAIN:
+        return next((v for v in (*eqn.outvars, *eqn.invars) if isinstance(v, jcore.Var)
+                     and not isinstance(v, jcore.DropVar)), eqn.outvars[0])
+    return region_var(_body(cast_bodies(eqn)[path[1]]), path[2:], reader)

@@ -316,10 +316,10 @@ def record(fun: Callable, params: Any, args: tuple, kwargs: dict, selects: Calla
 def mark_casts(rec: Recording, at: Sequence[tuple[int, ...]]) -> Recording:
     """``rec`` with a scale point of its own after each of the cast equations ``at``
     (their paths, :func:`adaloss_jax._jaxpr.widening_casts`: at the top level or inside
-    nested ``jit`` or ``checkpoint`` equations, whose jaxprs are rebuilt with the point
-    inside), numbered after the recorded ones in program order: a point on the wide side
-    of a cast measures the cotangent before it is cast down. Nothing else in the program
-    changes."""
+    nested ``jit``, ``checkpoint``, ``scan`` or ``cond`` equations, whose jaxprs are
+    rebuilt with the point inside), numbered after the recorded ones in program order:
+    a point on the wide side of a cast measures the cotangent before it is cast down.
+    Nothing else in the program changes."""
     if not at:
         return rec
     casts = dict(rec.casts)
@@ -327,21 +327,20 @@ def mark_casts(rec: Recording, at: Sequence[tuple[int, ...]]) -> Recording:
 
     def insert(jaxpr, paths):
         here = {p[0] for p in paths if len(p) == 1}
-        deeper: dict = {}
+        deeper: dict = {}  # (equation, its sub-jaxpr) -> the paths inside
         for p in paths:
             if len(p) > 1:
-                deeper.setdefault(p[0], []).append(p[1:])
+                deeper.setdefault(p[:2], []).append(p[2:])
         eqns, sub = [], {}
         for i, eqn in enumerate(jaxpr.eqns):
             eqn = eqn.replace(invars=[sub.get(v, v) if isinstance(v, jcore.Var) else v
                                       for v in eqn.invars])
-            if i in deeper:  # a nested jit or checkpoint: its jaxpr with the points inside
-                inner = _jaxpr.nested_jit(eqn)
-                if isinstance(inner, jcore.ClosedJaxpr):
-                    inner = jcore.ClosedJaxpr(insert(inner.jaxpr, deeper[i]), inner.consts)
-                else:
-                    inner = insert(inner, deeper[i])
-                eqn = eqn.replace(params={**eqn.params, "jaxpr": inner})
+            for (at, b), rest in deeper.items():  # a sub-jaxpr with the points inside
+                if at == i:
+                    body = _jaxpr.cast_bodies(eqn)[b]
+                    eqn = _jaxpr.with_cast_body(
+                        eqn, b, insert(body.jaxpr if isinstance(body, jcore.ClosedJaxpr)
+                                       else body, rest))
             eqns.append(eqn)
             if i in here:
                 y = eqn.outvars[0]

@@ -155,12 +155,38 @@ MUTATIONS = {
         "regime it flushes there, the root jumps blind, and step 1 is skipped too"),
     "nested-loss-cast-unmeasured": (
         "adaloss_jax/_jaxpr.py",
-        "        inner = nested_jit(eqn) if kind in (PLAIN, INLINE, REMAT) else None",
-        "        inner = None",
+        "        bodies = cast_bodies(eqn) if kind in (PLAIN, INLINE, REMAT, SCAN, COND) else []",
+        "        bodies = []",
         ["tests/test_live.py"],
         "a loss jitted whole (or its cross-entropy jitted, or the loss under "
         "jax.checkpoint) gets no point at its cast: in the tiny regime the root measures "
         "nothing, jumps blind, and step 1 is skipped too"),
+    "scanned-loss-cast-unmeasured": (
+        "adaloss_jax/_jaxpr.py",
+        '        return [eqn.params["jaxpr"]]',
+        "        return []",
+        ["tests/test_live.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows",
+         "tests/test_live.py::test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact"],
+        "a cross-entropy computed chunk by chunk in a scan gets no point at its cast: in "
+        "the tiny regime the root measures nothing, jumps blind, and step 1 is skipped "
+        "too"),
+    "untaken-branch-starves": (
+        "adaloss_jax/_channel.py",
+        "    zero = (amax_r == 0) & ~_untaken(rows, amax_r)",
+        "    zero = amax_r == 0",
+        ["tests/test_channel.py::test_a_cond_branch_not_taken_starves_nothing",
+         "tests/test_live.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows"],
+        "a cond's branch not taken (its row of zeros) starves its groups: a loss casting "
+        "in both branches holds the root's jump below its statistics, and step 1 is "
+        "refused"),
+    "every-branch-row-untaken": (
+        "adaloss_jax/_channel.py",
+        "    return jnp.asarray([r.branch is not None for r in rows]) & seen[idx]",
+        "    return jnp.asarray([r.branch is not None for r in rows])",
+        ["tests/test_channel.py::test_a_cond_branch_not_taken_starves_nothing",
+         "tests/test_live.py::test_the_loss_cast_is_measured_around_every_transformation"],
+        "zeros that arrived in a cond's taken branch starve nothing (taken for a branch "
+        "not taken): the modules there lose what was lost upstream"),
     "every-cast-measured": (
         "adaloss_jax/_grad.py",
         "    return _record.mark_casts(rec, [i for i, k in zip(casts, inside) if k])",

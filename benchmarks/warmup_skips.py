@@ -20,6 +20,7 @@ far the first pass's scales were from where they settle).
     python benchmarks/warmup_skips.py --delayed       # per module: the rule's scales alone
     python benchmarks/warmup_skips.py --loss-log2 -20 # the loss x 2^-20 (the bench's tiny
                                                       # regime: the loss's cast flushes)
+    python benchmarks/warmup_skips.py --loss-in scan-ce  # the cast in a nested equation
 """
 
 from __future__ import annotations
@@ -55,7 +56,7 @@ class Attn5(nn.Module):
         return nn.Dense(10, dtype=jnp.float16)(x)
 
 
-def _task(name, loss_log2=0):
+def _task(name, loss_log2=0, loss_in="top"):
     if name == "attn5":
         model = Attn5()
         x = jax.random.normal(jax.random.key(0), (1024, 8, 16))
@@ -66,16 +67,42 @@ def _task(name, loss_log2=0):
         x, y = tokens[:, :-1], tokens[:, 1:]
     params = model.init(jax.random.key(2), x)["params"]
 
-    def loss_fn(p, x, y):
-        logits = model.apply({"params": p}, x).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() * (
+    def ce(out, labels):
+        logits = out.astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean() * (
             2.0**loss_log2)
 
-    return model, params, loss_fn, x, y
+    ce = _CE_WRAPS.get(loss_in, lambda f: f)(ce)
+
+    def loss_fn(p, x, y):
+        return ce(model.apply({"params": p}, x), y)
+
+    return model, params, _LOSS_WRAPS.get(loss_in, lambda f: f)(loss_fn), x, y
 
 
-def run(name, groups, dtype, steps, retries, same_step=None, loss_log2=0):
-    model, params, loss_fn, x, y = _task(name, loss_log2)
+def _chunked(ce, chunks=4):
+    """The cross-entropy chunk by chunk along the batch in a ``lax.scan``: each chunk's
+    logits cast to float32 inside the body."""
+    def chunked(out, labels):
+        split = lambda a: a.reshape(chunks, -1, *a.shape[1:])  # noqa: E731
+        return jax.lax.scan(lambda t, c: (t + ce(*c), None), 0.0,
+                            (split(out), split(labels)))[0] / chunks
+    return chunked
+
+
+# Where the loss's cast of the model's output sits (--loss-in).
+_LOSS_WRAPS = {"jit": jax.jit, "remat": jax.checkpoint}
+_CE_WRAPS = {
+    "jit-ce": jax.jit,
+    "scan-ce": _chunked,
+    "cond-ce": lambda ce: lambda out, labels: jax.lax.cond(
+        labels.ravel()[0] >= 0, ce, lambda *a: 2.0 * ce(*a), out, labels),
+}
+LOSS_IN = ("top", *_LOSS_WRAPS, *_CE_WRAPS)
+
+
+def run(name, groups, dtype, steps, retries, same_step=None, loss_log2=0, loss_in="top"):
+    model, params, loss_fn, x, y = _task(name, loss_log2, loss_in)
     scaler = alj.adaptive(groups=groups, grad_dtype=dtype, simulate=dtype != "float16",
                           retries=retries, same_step=same_step)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
@@ -104,6 +131,11 @@ def main(argv=None):
     ap.add_argument("--groups", default="module,global")
     ap.add_argument("--loss-log2", type=int, default=0,
                     help="multiply the loss by 2**this (-20: the bench's tiny regime)")
+    ap.add_argument("--loss-in", default="top", choices=LOSS_IN,
+                    help="where the loss casts the model's output to float32: at its top "
+                         "level, the whole loss under jit or checkpoint, a jitted "
+                         "cross-entropy, one computed chunk by chunk in a scan, or in a "
+                         "cond's branches")
     args = ap.parse_args(argv)
     print(f"{'task':<10} {'format':<14} {'groups':<7} {'skipped':>7}  {'retries':>7}  "
           f"{'root':>5}  {'moved':>5}  which")
@@ -112,7 +144,7 @@ def main(argv=None):
             for groups in args.groups.split(","):
                 skipped, retries, root, moved = run(
                     name, groups, dtype, args.steps, args.retries,
-                    False if args.delayed else None, args.loss_log2)
+                    False if args.delayed else None, args.loss_log2, args.loss_in)
                 which = ",".join(map(str, skipped[:12])) + ("..." if len(skipped) > 12 else "")
                 print(f"{name:<10} {dtype:<14} {groups:<7} {len(skipped):>7}  {retries:>7}  "
                       f"{root:>5.0f}  {moved:>5.0f}  {which or '-'}", flush=True)

@@ -140,6 +140,26 @@ def test_decode_marks_groups_starved_by_a_flushed_or_zero_cotangent():
     assert _channel.decode(rows, values, used, cols, FP16).starved is None
 
 
+def test_a_cond_branch_not_taken_starves_nothing():
+    """Rows in a ``cond``'s branches (cond 7: one row per branch; cond 9: one branch's
+    row): a branch's backward pass runs only where it was taken, so a row of zeros
+    there starves its group only when no row of its cond measured anything (the taken
+    branch received zeros); a row of zeros outside any cond always does."""
+    cols = _channel.Columns(sumsq=False, hist_lo=None)
+    row = lambda g, branch: _channel.Row(y=(g,), x=(g,), y_max=FP16, x_max=FP16,  # noqa: E731
+                                         branch=branch)
+    rows = [row("a", 7), row("b", 7), row("c", 9), row("d", None)]
+    groups = ("", "a", "b", "c", "d")
+    used = GroupVector(groups, jnp.zeros(5), split=True)
+    one = jnp.asarray([1.0, 0.0, 0.0])
+    for values, want in [([one, jnp.zeros(3), one, one], [False] * 5),
+                         ([jnp.zeros(3), one, jnp.zeros(3), one], [False, False, False,
+                                                                   True, False]),
+                         ([jnp.zeros(3)] * 4, [False, True, True, True, True])]:
+        stats = _channel.decode(rows, values, used, cols, FP16, fmt_min=2.0**-24)
+        assert [bool(stats.starved[g]) for g in groups] == want
+
+
 @pytest.mark.parametrize("shapes,bits", [([(5, 3)], 3), ([(4, 8, 3), (2, 7)], 5),
                                          ([(7,), ()], 0), ([(1, 4)], 0)])
 def test_a_first_choice_reserves_the_binades_of_a_sum_over_the_leading_axes(shapes, bits):

@@ -959,20 +959,44 @@ def test_the_root_is_measured_before_the_loss_casts_its_cotangent_down(grad_dtyp
     assert skipped == [0]
 
 
+def _chunked(ce, chunks=4):
+    """``ce(logits, labels)`` (a mean over rows) computed chunk by chunk in a
+    ``lax.scan``, each chunk's cast inside the body (a cross-entropy that never holds
+    all float32 logits)."""
+    def chunked(logits, labels):
+        def body(total, chunk):
+            return total + ce(*chunk), None
+        split = lambda a: a.reshape(chunks, -1, *a.shape[1:])  # noqa: E731
+        return jax.lax.scan(body, 0.0, (split(logits), split(labels)))[0] / chunks
+    return chunked
+
+
+def _switched(ce):
+    """``ce(logits, labels)`` in the branch a ``lax.cond`` takes; the other branch casts
+    too."""
+    return lambda logits, labels: jax.lax.cond(labels[0] >= 0, ce,
+                                               lambda *a: 2.0 * ce(*a), logits, labels)
+
+
 _WRAPS = {
     "jit": lambda loss, ce: jax.jit(loss),  # the whole loss jitted
     "jit-ce": lambda loss, ce: loss(ce=jax.jit(ce)),  # a jitted cross-entropy
     "remat": lambda loss, ce: jax.checkpoint(loss),
+    "scan-ce": lambda loss, ce: loss(ce=_chunked(ce)),  # cast in each chunk
+    "cond-ce": lambda loss, ce: loss(ce=_switched(ce)),  # a cast in each branch
 }
 
 
 @pytest.mark.parametrize("wrap", sorted(_WRAPS))
-def test_a_loss_cast_inside_a_nested_jit_or_checkpoint_is_measured_before_it_narrows(wrap):
+def test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows(wrap):
     """The loss of the test above (x 2^-30) jitted whole, its cross-entropy jitted on
-    its own, or the loss under ``jax.checkpoint``: the cast sits inside a nested
-    equation, and its point goes there. The root's statistics after step 0 hold the
-    fp32 amax at the cast, and only step 0 is skipped (with no point inside, the root
-    measured nothing, jumped blind, and step 1 was skipped too)."""
+    its own, the loss under ``jax.checkpoint``, its cross-entropy computed chunk by
+    chunk in a ``scan`` or in a ``cond``'s branch: the cast sits inside a nested
+    equation, and its point goes there (one per branch). The root's statistics after
+    step 0 hold the fp32 amax at the cast, and only step 0 is skipped (with no point
+    inside, the root measured nothing, jumped blind, and step 1 was skipped too; a
+    branch not taken, whose row stays zero, starved the root, held its jump below its
+    statistics, and step 1 was refused as computed too low)."""
     from adaloss_jax.flax import TrainState, linen_train_step
 
     model = _models.MLP(depth=3, width=32)
@@ -980,21 +1004,22 @@ def test_a_loss_cast_inside_a_nested_jit_or_checkpoint_is_measured_before_it_nar
     y = jax.random.randint(jax.random.key(1), (64,), 0, 4)
     params = model.init(jax.random.key(2), x)["params"]
 
-    def ce(logits):
+    def ce(logits, labels=y):
         return optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), y).mean() * 2.0**-30
+            logits.astype(jnp.float32), labels).mean() * 2.0**-30
 
     def loss(p=None, x=None, ce=ce):
         if p is None:
-            return lambda p, x: ce(model.apply({"params": p}, x))
-        return ce(model.apply({"params": p}, x))
+            return lambda p, x: ce(model.apply({"params": p}, x), y)
+        return ce(model.apply({"params": p}, x), y)
 
     loss_fn = _WRAPS[wrap](loss, ce)
     scaler = alj.adaptive(groups="module", retries=0)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
                               scaler=scaler)
     rec, _, _ = _grad_trace(loss_fn, scaler, params, x)
-    assert [jnp.dtype(d).name for d in rec.casts.values()] == ["float16"]
+    assert [jnp.dtype(d).name for d in rec.casts.values()] == ["float16"] * (
+        2 if wrap == "cond-ce" else 1)
     step = jax.jit(lambda s: linen_train_step(s, loss_fn, x))
     logits = model.apply({"params": params}, x)
     want = float(jnp.log2(jnp.max(jnp.abs(jax.grad(ce)(logits.astype(jnp.float32))))))
@@ -1037,6 +1062,35 @@ def test_one_jitted_cross_entropy_called_twice_gets_a_point_per_call_and_stays_e
     groups = alj.adaptive_unscale(scaler).init(params).groups
     log2 = dict(zip(groups, [5, -3, 9, 0, 12]))
     step, state = _grads_through(scaler, loss_of(m32), params, (x, y), log2)
+    got, _, _ = step(state, params, x, y)
+    assert_fp32_trees_close(got, jax.jit(jax.grad(loss_of(m32)))(params, x, y))
+
+
+@pytest.mark.parametrize("wrap", [_chunked, _switched], ids=["scan", "cond"])
+def test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact(wrap):
+    """The points on the wide side of a cast inside a ``scan`` body (each chunk's) or a
+    ``cond``'s branches measure and leave the gradient as it is: an fp32 model whose
+    loss casts its output there, at arbitrary per-group scales, gets exact gradients."""
+    x = jax.random.normal(jax.random.key(0), (64, 16))
+    y = jax.random.randint(jax.random.key(1), (64,), 0, 4)
+
+    def loss_of(model):
+        def loss_fn(p, x, y):
+            ce = wrap(lambda lg, labels: optax.softmax_cross_entropy_with_integer_labels(
+                lg.astype(jnp.float32), labels).mean())
+            return ce(model.apply({"params": p}, x), y)
+        return loss_fn
+
+    m16 = _models.MLP(depth=3, width=32)
+    p16 = m16.init(jax.random.key(2), x)["params"]
+    rec, _, _ = _grad_trace(loss_of(m16), alj.adaptive(groups="module"), p16, x, y)
+    assert len(rec.casts) == (1 if wrap is _chunked else 2)
+    m32 = _models.MLP(depth=3, width=32, dtype=jnp.float32)
+    params = m32.init(jax.random.key(2), x)["params"]
+    scaler = alj.adaptive(groups="module", compute_dtype="float16")
+    groups = alj.adaptive_unscale(scaler).init(params).groups
+    step, state = _grads_through(scaler, loss_of(m32), params, (x, y),
+                                 dict(zip(groups, [5, -3, 9, 0, 12])))
     got, _, _ = step(state, params, x, y)
     assert_fp32_trees_close(got, jax.jit(jax.grad(loss_of(m32)))(params, x, y))
 

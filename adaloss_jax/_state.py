@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import math
 import weakref
 from collections.abc import Mapping
 from typing import Any
@@ -114,7 +115,7 @@ class AdaptiveScaleState:
     >>> import adaloss_jax as alj
     >>> st = alj.adaptive_unscale(alj.adaptive(groups="module")).init({"a": {"w": jnp.ones(2)}})
     >>> st.groups, float(st.log2_scales["a"]), int(st.total_applied)
-    (('', 'a'), 0.0, 0)
+    (('', 'a'), 15.0, 0)
     """
 
     base: LossScaleState
@@ -146,7 +147,7 @@ class AdaptiveScaleState:
         >>> tx = alj.adaptive_unscale(alj.adaptive(groups="module"))
         >>> st = tx.init({"a": {"w": jnp.ones(2)}}).with_log2_scales({"a": 7})
         >>> float(st.log2_scales["a"]), float(st.log2_scales[""])
-        (7.0, 0.0)
+        (7.0, 15.0)
         """
         unknown = sorted(set(log2) - set(self.groups))
         if unknown:
@@ -256,7 +257,7 @@ jax.tree_util.register_dataclass(
 def initial_state(params: Any, scaler: AdaptiveScale, groups: list[str]) -> AdaptiveScaleState:
     """Every group at ``initial_scale``, nothing measured yet."""
     n = len(groups)
-    s0 = jnp.log2(jnp.float32(scaler.initial_scale))
+    s0 = math.log2(scaler.initial_scale)  # (exact: XLA's float32 log2 of 2**15 is not)
     return AdaptiveScaleState(
         base=counters(scaler.initial_scale, 1),
         log2_scales=GroupVector(groups, jnp.full((n,), s0, jnp.float32), split=True),

@@ -28,6 +28,15 @@ def test_a_fresh_state_holds_every_group_at_the_initial_scale_and_nothing_measur
     assert float(st.loss_scale) == 16.0 and int(st.total_applied) == 0  # the counters
 
 
+@pytest.mark.parametrize("k", [-24, -1, 0, 15, 29, 64])
+def test_the_initial_log2_scales_are_exact_integers(k):
+    """A power-of-two start is an integer log2 scale, so every scale made from it is a
+    power of two (XLA's float32 log2 of 2**15 is 14.999999)."""
+    st = alj.adaptive_unscale(alj.adaptive(groups="module", initial_scale=2.0**k)).init(
+        params())
+    assert st.log2_scales.array.tolist() == [float(k)] * len(st.groups)
+
+
 def test_a_warm_start_sets_named_groups_and_the_root_scale():
     st = _state().with_log2_scales({"": 9, f"{STACK}[1]": -3})
     assert float(st.loss_scale) == 2.0**9

@@ -173,8 +173,8 @@ def adaptive_scaled(
     >>> import optax, jax.numpy as jnp
     >>> tx = adaptive_scaled(optax.adamw(1e-3), AdaptiveScale())
     >>> adaloss_state = tx.init({"w": jnp.ones(3)})[0]
-    >>> float(adaloss_state.loss_scale)
-    1.0
+    >>> float(adaloss_state.loss_scale)  # (fp16's start: 2**15)
+    32768.0
     """
     return optax.chain(adaptive_unscale(scaler, axis_name=axis_name),
                        _skip.skip_nonfinite(inner))

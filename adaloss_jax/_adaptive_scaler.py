@@ -42,12 +42,14 @@ class AdaptiveScale:
     ``decay``                 1/16 (module),    binades a step the held amax peak sinks
                               inf (global)      by; ``math.inf``: this step's amax alone
     ``period``                ``1``             recompute scales every ``period`` steps
-    ``initial_scale``         ``1.0``           every group's scale before statistics
+    ``initial_scale``         ``2**15`` (fp16), every group's scale before statistics
+                              ``1.0`` (fp8)
     ``min_loss_scale``        ``2**-24``        lower bound of every scale
     ``max_loss_scale``        ``2**64``         upper bound of every scale
     ``factor``                ``16.0``          back-off factor of a group that overflowed
-    ``max_rise``              log2(factor) + 1  binades: a step whose statistics call for
-                                                a scale this much higher is not applied
+    ``max_rise``              16 (fp16 per      binades: a step whose statistics call for
+                              module), else     a scale this much higher is not applied
+                              log2(factor) + 1
     ``same_step``             ``None``: on for  each module's scale set from the
                               ``"module"`` with cotangent entering it, in the same
                               ``"amax"``        backward pass; ``False``: the rule's
@@ -89,6 +91,9 @@ class AdaptiveScale:
         so far are a multiple of ``period`` (the reference's every-``F``-iterations);
         backoffs and blind jumps happen on any step.
       initial_scale: every group's scale before the first statistics (a power of two).
+        ``None``: ``2**15`` where ``grad_dtype`` is float16 (dynamic scaling's start: the
+        root's region, which has no cotangent of its own to choose by, runs step 0 at
+        it), else ``1.0`` (an fp8 format holds too few binades for one guess to fit).
       min_loss_scale: lower bound of every scale (a power of two).
       max_loss_scale: upper bound of every scale (a power of two).
       factor: a group that overflowed backs off by ``factor`` (a power of two > 1), and by
@@ -98,7 +103,11 @@ class AdaptiveScale:
         ``initial_scale``, a step after more than one backoff) is skipped: the scales
         move, and the next step is computed at them. ``None``: ``log2(factor) + 1``: the
         step after a single backoff (back by ``log2(factor)``, plus a binade the
-        statistics may have moved) is applied.
+        statistics may have moved) is applied; ``16`` where ``grad_dtype`` is float16
+        and ``groups="module"``: there a step computed that far below its scale flushed
+        little more than at its scale on every task measured (``docs/results.md``,
+        section 4), and a first same-step choice keeps up to ``max_rise`` binades free
+        for the sums inside its module.
       same_step: ``True`` (the default where ``groups="module"`` and
         ``statistic="amax"``; ``None`` resolves to it there, else to ``False``): each
         module's region of the backward stream chooses its
@@ -148,7 +157,7 @@ class AdaptiveScale:
     2
     >>> AdaptiveScale()  # doctest: +NORMALIZE_WHITESPACE
     AdaptiveScale(groups='global', grad_dtype='float16', simulate=False, statistic='amax',
-                  threshold=0.001, margin=4, decay=inf, period=1, initial_scale=1.0,
+                  threshold=0.001, margin=4, decay=inf, period=1, initial_scale=2**15,
                   min_loss_scale=2**-24, max_loss_scale=2**64, factor=16.0, max_rise=5,
                   same_step=False, retries=0, max_consecutive_skips=16, max_depth=None, filter=None,
                   compute_dtype=None)
@@ -162,7 +171,7 @@ class AdaptiveScale:
     margin: int | None = None
     decay: float | None = None
     period: int = 1
-    initial_scale: float = 1.0
+    initial_scale: float | None = None
     min_loss_scale: float = 2.0**-24
     max_loss_scale: float = 2.0**64
     factor: float = 16.0
@@ -201,6 +210,9 @@ class AdaptiveScale:
             raise ValueError(f"decay must be a positive number of binades (or math.inf), "
                              f"got {self.decay!r}")
         _validation.check_int("period", self.period, minimum=1)
+        if self.initial_scale is None:  # frozen: the resolved default is set once
+            object.__setattr__(self, "initial_scale",
+                               2.0**15 if fmt.name == "float16" else 1.0)
         for option in ("initial_scale", "min_loss_scale", "max_loss_scale"):
             object.__setattr__(self, option,  # a float: 2**64 as an int overflows jnp
                                _validation.check_power_of_two(option, getattr(self, option)))
@@ -212,7 +224,8 @@ class AdaptiveScale:
                 f"bounds")
         _validation.check_growth_factor("factor", self.factor)
         if self.max_rise is None:
-            object.__setattr__(self, "max_rise", self.backoff + 1)
+            object.__setattr__(self, "max_rise", 16 if fmt.name == "float16"
+                               and self.groups == "module" else self.backoff + 1)
         _validation.check_int("max_rise", self.max_rise, minimum=0)
         _validation.check_int("retries", self.retries, minimum=0)
         _validation.check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)

@@ -161,6 +161,28 @@ MUTATIONS = {
         "a loss jitted whole (or its cross-entropy jitted, or the loss under "
         "jax.checkpoint) gets no point at its cast: in the tiny regime the root measures "
         "nothing, jumps blind, and step 1 is skipped too"),
+    "initial-log2-by-xla": (
+        "adaloss_jax/_state.py",
+        "    s0 = math.log2(scaler.initial_scale)",
+        "    s0 = jnp.log2(jnp.float32(scaler.initial_scale))",
+        ["tests/test_state.py::test_the_initial_log2_scales_are_exact_integers"],
+        "the initial log2 scale taken by XLA's float32 log2: 2**15 starts at 2**14.999999, "
+        "off a power of two"),
+    "fp16-starts-at-1": (
+        "adaloss_jax/_adaptive_scaler.py",
+        '2.0**15 if fmt.name == "float16" else 1.0)',
+        "1.0)",
+        ["tests/test_live.py::test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_nothing",
+         "tests/test_diagnostics.py::test_a_global_state_is_one_row_and_reads_like_an_adaptive_one"],
+        "fp16 starts at scale 1: the root's step 0 far below its scale, skipped (the "
+        "front ends' small MLPs apply it from 1 as well)"),
+    "fp16-module-rise-capped-at-5": (
+        "adaloss_jax/_adaptive_scaler.py",
+        '            object.__setattr__(self, "max_rise", 16 if fmt.name == "float16"',
+        '            object.__setattr__(self, "max_rise", 5 if fmt.name == "float16"',
+        ["tests/test_live.py::test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_nothing"],
+        "fp16 per module keeps max_rise 5: a first choice's room for its kernel sums is "
+        "capped at 5 binades, and the head's overflows at step 0"),
     "scanned-loss-cast-unmeasured": (
         "adaloss_jax/_jaxpr.py",
         '        return [eqn.params["jaxpr"]]',

@@ -106,7 +106,9 @@ def _step(name, retries, initial_scale):
     """The arrangement and its jitted training step (compiled once per configuration, for
     every test that uses it)."""
     tx = _arrangement(name, alj.adaptive(groups="module", retries=retries,
-                                         initial_scale=initial_scale))
+                                         initial_scale=initial_scale,
+                                         max_rise=5))  # (log2(factor) + 1: a step after
+    # one backoff is applied, one far below its scale retried)
 
     @jax.jit
     def step(params, opt_state, x, y, c):

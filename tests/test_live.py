@@ -853,9 +853,9 @@ class _AttnBlock(nn.Module):
         return nn.Dense(10, dtype=jnp.float16)(x)
 
 
-def _warm_up_skips(model, x, y, grad_dtype, steps=5, loss_scale=1.0):
-    """The steps skipped from the default initial scale with nothing moving (SGD(0)),
-    the rule alone (``retries=0``)."""
+def _warm_up_skips(model, x, y, grad_dtype, steps=5, loss_scale=1.0, **options):
+    """The steps skipped from the initial scale with nothing moving (SGD(0)), the rule
+    alone (``retries=0``)."""
     from adaloss_jax.flax import TrainState, linen_train_step
 
     params = model.init(jax.random.key(2), x)["params"]
@@ -865,7 +865,7 @@ def _warm_up_skips(model, x, y, grad_dtype, steps=5, loss_scale=1.0):
         return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean() * loss_scale
 
     scaler = alj.adaptive(groups="module", grad_dtype=grad_dtype, retries=0,
-                          simulate=grad_dtype != "float16")
+                          simulate=grad_dtype != "float16", **options)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
                               scaler=scaler)
     step = jax.jit(lambda s: linen_train_step(s, loss_fn, x, y))
@@ -877,13 +877,18 @@ def _warm_up_skips(model, x, y, grad_dtype, steps=5, loss_scale=1.0):
     return skipped
 
 
-def test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_only_step_0():
+def test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_nothing():
     """fp16, 512 x 8 tokens: the first choice of each Dense's scale comes from its
     output cotangent, and its kernel gradient sums 4096 rows of it; without the first
-    choice's reserve, step 1 overflowed there and was skipped too."""
+    choice's reserve, that sum overflowed and the step was skipped. From fp16's start
+    nothing is skipped; from scale 1 (the root far below its scale) step 0 alone, with
+    the reserve capped at 5 binades as well (without the reserve, step 1 was skipped
+    too)."""
     x = jax.random.normal(jax.random.key(0), (512, 8, 16))
     y = jax.random.randint(jax.random.key(1), (512, 8), 0, 10)
-    assert _warm_up_skips(_AttnBlock(), x, y, "float16") == [0]
+    assert _warm_up_skips(_AttnBlock(), x, y, "float16") == []
+    assert _warm_up_skips(_AttnBlock(), x, y, "float16", initial_scale=1.0,
+                          max_rise=5) == [0]
 
 
 def test_a_scanned_gpt_whose_cotangents_flush_in_e4m3_skips_only_step_0():
@@ -940,7 +945,7 @@ def test_the_root_is_measured_before_the_loss_casts_its_cotangent_down(grad_dtyp
         return ce.mean() * 2.0**-30
 
     scaler = alj.adaptive(groups="module", grad_dtype=grad_dtype, retries=0,
-                          simulate=grad_dtype != "float16")
+                          simulate=grad_dtype != "float16", initial_scale=1.0)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
                               scaler=scaler)
     step = jax.jit(lambda s: linen_train_step(
@@ -1014,7 +1019,7 @@ def test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows(wrap
         return ce(model.apply({"params": p}, x), y)
 
     loss_fn = _WRAPS[wrap](loss, ce)
-    scaler = alj.adaptive(groups="module", retries=0)
+    scaler = alj.adaptive(groups="module", retries=0, initial_scale=1.0)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
                               scaler=scaler)
     rec, _, _ = _grad_trace(loss_fn, scaler, params, x)
@@ -1152,7 +1157,7 @@ def test_the_loss_cast_is_measured_around_every_transformation(around):
     received only zeros computed from it, is starved and told that value (lost_amax),
     which the rule keeps from flushing again."""
     tiny = 2.0**-30
-    scaler = alj.adaptive(groups="module", retries=0)
+    scaler = alj.adaptive(groups="module", retries=0, initial_scale=1.0)
     case = build("jax", around, "none", jnp.float16, scaler, tiny=tiny)
     _, _, stats = case.grads(case.state)
     params, apply = _jax_model("none", jnp.float16)

@@ -283,7 +283,7 @@ def test_a_mismatched_scaler_names_only_the_options_that_differ():
         _step(built)(PARAMS, alj.adaptive_scaled(optax.sgd(0.1), MODULE).init(PARAMS))
     msg = str(e.value)
     assert "factor=4.0 (transformation) vs 16.0 (state)" in msg
-    assert "max_rise=3 (transformation) vs 5 (state)" in msg
+    assert "max_rise" not in msg  # (fp16 per module: 16 whatever the factor)
     assert "AdaptiveScale(" not in msg and "margin" not in msg and len(msg) < 300
 
 
@@ -333,7 +333,8 @@ def test_compute_dtype_decides_over_what_the_trace_shows():
     for compute_dtype, on in (("bfloat16", False), ("float16", True)):
         for retries in (0, 4):
             tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(
-                groups="module", compute_dtype=compute_dtype, retries=retries))
+                groups="module", compute_dtype=compute_dtype, retries=retries,
+                initial_scale=1.0))
             _, state = _step(tx)(PARAMS, tx.init(PARAMS))
             st = alj.scale_state(state)
             assert bool(st.last_applied) == (not on or retries > 0)
@@ -394,7 +395,8 @@ def test_a_scale_group_above_nested_parameters_is_one_group():
 
 
 def test_the_status_line_says_applied_scales_skips_and_health():
-    tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module", retries=0))
+    tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module", retries=0,
+                                                          initial_scale=1.0))
     state = tx.init(PARAMS)
     line = alj.diagnostics.status_line(state)
     assert line.startswith("applied | scale 2^0 (2 groups) | skipped 0/0, 0 in a row")

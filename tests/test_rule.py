@@ -314,12 +314,12 @@ def test_a_group_that_measured_nothing_does_not_stop_the_step_by_default():
 
 def test_each_branch_under_the_default_options():
     """One walk through the rule with every option at its default (``groups="module"``:
-    decay 1/16, factor 16, max_rise 5, margin 4, fp16): settled, an overflow (blamed
+    decay 1/16, factor 16, max_rise 16, margin 4, fp16): settled, an overflow (blamed
     and hidden groups back off at once), the headroom learned from it, a forward
     overflow, a group that measures nothing, a held peak that sinks."""
     t = math.floor(LOG2_MAX - 4 + 12.0)
     state = _state(scales=(t, t, t))
-    assert state.scaler.max_rise == 5 and state.scaler.decay == 1 / 16
+    assert state.scaler.max_rise == 16 and state.scaler.decay == 1 / 16
     settled = adjust(state, _measured(state, [-12.0, -12.0, -12.0]))
     assert _scales(settled) == [t] * 3 and bool(settled.last_applied)
     # a overflows at t; b only received non-finite values: both back off 4 binades.

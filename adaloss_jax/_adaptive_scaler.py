@@ -129,7 +129,8 @@ class AdaptiveScale:
         scales, up to this many times; only then is it skipped. A step no scale can
         change (a non-finite loss, NaN in the data) is skipped at once. ``0`` (the
         default): such a step is skipped, and the next runs at the scales it set (with
-        same-step scales that is step 0 alone on the models measured). With retries the
+        same-step scales that is at most step 0 on the models measured: in fp8, or a
+        loss of tiny magnitude). With retries the
         forward and backward pass sit in a ``lax.while_loop``: each retry costs one more
         pass, and even when there is none the loop costs compile time and, on a GPU, a
         read of its condition on the host that splits the step's command buffer (the

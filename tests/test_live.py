@@ -1100,6 +1100,27 @@ def test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact(wrap)
     assert_fp32_trees_close(got, jax.jit(jax.grad(loss_of(m32)))(params, x, y))
 
 
+def test_a_cast_of_a_scan_carry_computed_after_a_point_is_found():
+    """The cast reads the scan's carry, which starts as data (zeros) and becomes the
+    model's output only from the second iteration on: it is found by walking the body
+    again with the carry marked as computed after a point."""
+    x = jax.random.normal(jax.random.key(0), (64, 16))
+    y = jax.random.randint(jax.random.key(1), (64,), 0, 4)
+    model = _models.MLP(depth=3, width=32)
+    params = model.init(jax.random.key(2), x)["params"]
+
+    def loss_fn(p, x, y):
+        out = model.apply({"params": p}, x).reshape(4, 16, -1)
+
+        def body(prev, chunk):  # the cross-entropy of the previous chunk
+            return chunk, optax.softmax_cross_entropy_with_integer_labels(
+                prev.astype(jnp.float32), y[:16]).mean()
+        return jax.lax.scan(body, jnp.zeros_like(out[0]), out)[1].sum()
+
+    rec, _, _ = _grad_trace(loss_fn, alj.adaptive(groups="module"), params, x, y)
+    assert [jnp.dtype(d).name for d in rec.casts.values()] == ["float16"]
+
+
 def _grad_trace(loss_fn, scaler, params, *args):
     from adaloss_jax import _grad
 

@@ -142,10 +142,15 @@ def _body(inner):
 def cast_bodies(eqn) -> list:
     """The sub-jaxprs a cast of the loss is looked for in (:func:`widening_casts`), as the
     equation holds them (``ClosedJaxpr`` or open ``Jaxpr``): a nested ``jit`` or
-    ``checkpoint``'s, a ``scan``'s body, a ``cond``'s branches; ``[]`` for any other
-    equation. Each takes the equation's operands in order (a ``cond`` less its index)."""
+    ``checkpoint``'s, a ``scan``'s or ``shard_map``'s body, a ``cond``'s branches; ``[]``
+    for any other equation. Each takes the equation's operands in order (a ``cond`` less
+    its index)."""
     inner = nested_jit(eqn)
     if inner is not None:
+        return [inner]
+    inner = eqn.params.get("jaxpr")
+    if (eqn.primitive.name == "shard_map" and isinstance(inner, jcore.Jaxpr)
+            and not inner.constvars):
         return [inner]
     if eqn.primitive.name == "scan" and isinstance(eqn.params.get("jaxpr"),
                                                    jcore.ClosedJaxpr):
@@ -175,8 +180,8 @@ def widening_casts(jaxpr, narrow, reader: Reader | None = None) -> list[tuple[in
     dtype. Each as its path: ``(i,)`` for equation ``i`` of ``jaxpr``'s top level,
     ``(i, b, j, ...)`` for equation ``j`` inside sub-jaxpr ``b`` of the equation at
     ``i`` (:func:`cast_bodies`: a jitted or rematerialised loss, a jitted cross-entropy,
-    a cross-entropy computed chunk by chunk in a ``scan``, a ``cond``'s branch), and so
-    on down."""
+    a cross-entropy computed chunk by chunk in a ``scan`` or per device in a
+    ``shard_map``, a ``cond``'s branch), and so on down."""
     return _casts(jaxpr, narrow, reader or Reader(), set(), ())[0]
 
 
@@ -188,7 +193,8 @@ def _casts(jaxpr, narrow, reader: Reader, after: set, prefix: tuple) -> tuple[li
     for i, eqn in enumerate(jaxpr.eqns):
         kind = reader.kind(eqn)
         ins = [v for v in eqn.invars if not isinstance(v, jcore.Literal)]
-        bodies = cast_bodies(eqn) if kind in (PLAIN, INLINE, REMAT, SCAN, COND) else []
+        bodies = (cast_bodies(eqn) if kind in (PLAIN, INLINE, REMAT, SCAN, COND, SHARD_MAP)
+                  else [])
         if bodies:  # walked inside: a cast there is found at its own place
             operands = eqn.invars[1:] if eqn.primitive.name == "cond" else eqn.invars
             carry = range(0)

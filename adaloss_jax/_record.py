@@ -316,7 +316,7 @@ def record(fun: Callable, params: Any, args: tuple, kwargs: dict, selects: Calla
 def mark_casts(rec: Recording, at: Sequence[tuple[int, ...]]) -> Recording:
     """``rec`` with a scale point of its own after each of the cast equations ``at``
     (their paths, :func:`adaloss_jax._jaxpr.widening_casts`: at the top level or inside
-    nested ``jit``, ``checkpoint``, ``scan`` or ``cond`` equations, whose jaxprs are
+    nested ``jit``, ``checkpoint``, ``scan``, ``shard_map`` or ``cond`` equations, whose jaxprs are
     rebuilt with the point inside), numbered after the recorded ones in program order:
     a point on the wide side of a cast measures the cotangent before it is cast down.
     Nothing else in the program changes."""

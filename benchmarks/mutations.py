@@ -155,8 +155,8 @@ MUTATIONS = {
         "regime it flushes there, the root jumps blind, and step 1 is skipped too"),
     "nested-loss-cast-unmeasured": (
         "adaloss_jax/_jaxpr.py",
-        "        bodies = cast_bodies(eqn) if kind in (PLAIN, INLINE, REMAT, SCAN, COND) else []",
-        "        bodies = []",
+        "        bodies = (cast_bodies(eqn) if kind in",
+        "        bodies = ([] if kind in",
         ["tests/test_live.py"],
         "a loss jitted whole (or its cross-entropy jitted, or the loss under "
         "jax.checkpoint) gets no point at its cast: in the tiny regime the root measures "
@@ -190,6 +190,15 @@ MUTATIONS = {
         ["tests/test_live.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows",
          "tests/test_live.py::test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact"],
         "a cross-entropy computed chunk by chunk in a scan gets no point at its cast: in "
+        "the tiny regime the root measures nothing, jumps blind, and step 1 is skipped "
+        "too"),
+    "sharded-loss-cast-unmeasured": (
+        "adaloss_jax/_jaxpr.py",
+        '    if (eqn.primitive.name == "shard_map" and isinstance(inner, jcore.Jaxpr)',
+        "    if (False and isinstance(inner, jcore.Jaxpr)",
+        ["tests/test_live.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows",
+         "tests/test_live.py::test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact"],
+        "a cross-entropy computed per device in a shard_map gets no point at its cast: in "
         "the tiny regime the root measures nothing, jumps blind, and step 1 is skipped "
         "too"),
     "untaken-branch-starves": (

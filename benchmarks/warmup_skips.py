@@ -90,11 +90,27 @@ def _chunked(ce, chunks=4):
     return chunked
 
 
+def _sharded(ce):
+    """The cross-entropy in a ``shard_map`` over the batch on every device (a mean of
+    the devices' means): each device's logits cast to float32 inside the body."""
+    from jax.sharding import PartitionSpec as P
+
+    def sharded(out, labels):
+        mesh = jax.make_mesh((jax.device_count(),), ("batch",),
+                             axis_types=(jax.sharding.AxisType.Auto,))
+        per_device = jax.shard_map(
+            lambda o, y: jax.lax.pmean(ce(o, y), "batch"), mesh=mesh,
+            in_specs=(P("batch"), P("batch")), out_specs=P())
+        return per_device(out, labels)
+    return sharded
+
+
 # Where the loss's cast of the model's output sits (--loss-in).
 _LOSS_WRAPS = {"jit": jax.jit, "remat": jax.checkpoint}
 _CE_WRAPS = {
     "jit-ce": jax.jit,
     "scan-ce": _chunked,
+    "shard-ce": _sharded,
     "cond-ce": lambda ce: lambda out, labels: jax.lax.cond(
         labels.ravel()[0] >= 0, ce, lambda *a: 2.0 * ce(*a), out, labels),
 }
@@ -134,8 +150,8 @@ def main(argv=None):
     ap.add_argument("--loss-in", default="top", choices=LOSS_IN,
                     help="where the loss casts the model's output to float32: at its top "
                          "level, the whole loss under jit or checkpoint, a jitted "
-                         "cross-entropy, one computed chunk by chunk in a scan, or in a "
-                         "cond's branches")
+                         "cross-entropy, one computed chunk by chunk in a scan, in a "
+                         "shard_map over the batch, or in a cond's branches")
     args = ap.parse_args(argv)
     print(f"{'task':<10} {'format':<14} {'groups':<7} {'skipped':>7}  {'retries':>7}  "
           f"{'root':>5}  {'moved':>5}  which")

@@ -226,9 +226,19 @@ class Case:
     reference: callable  # () -> fp32 gradients (None where not comparable)
 
 
-def build(front_end, around, inside, dtype, scaler, tiny=1.0) -> Case:
+def _mean_square(out, tiny=1.0, chunks=None):
+    """``mean(out.astype(float32) ** 2) * tiny``; with ``chunks``, computed chunk by chunk
+    of the batch in a ``lax.scan`` (each chunk cast to float32 inside the body)."""
+    square = lambda o: jnp.mean(o.astype(jnp.float32) ** 2) * tiny  # noqa: E731
+    if chunks is None:
+        return square(out)
+    split = out.reshape(chunks, -1, *out.shape[1:])
+    return jax.lax.scan(lambda t, c: (t + square(c), None), 0.0, split)[0] / chunks
+
+
+def build(front_end, around, inside, dtype, scaler, tiny=1.0, chunks=None) -> Case:
     x = _x(jnp.float32)
-    square = lambda out: jnp.mean(out.astype(jnp.float32) ** 2) * tiny
+    square = functools.partial(_mean_square, tiny=tiny, chunks=chunks)
     if front_end == "jax":
         params, apply = _jax_model(inside, dtype)
         loss = lambda p, x: square(_around(around, functools.partial(apply, p))(x))
@@ -339,16 +349,18 @@ def test_transformed_model_measures_what_its_untransformed_twin_measures(
 
 @PROPERTY
 @given(front_end=st.sampled_from(FRONT_ENDS), around=st.sampled_from(AROUND),
-       inside=st.sampled_from(INSIDE), same_step=st.booleans(), seed=st.integers(0, 2**16))
+       inside=st.sampled_from(INSIDE), same_step=st.booleans(),
+       chunks=st.sampled_from([None, 3]), seed=st.integers(0, 2**16))
 def test_fp32_gradients_exact_under_arbitrary_per_group_scales(front_end, around, inside,
-                                                                 same_step, seed):
+                                                                 same_step, chunks, seed):
     """Through the whole optimizer: ``adaptive_unscale`` unscales each leaf by the scale
     its group ran at (sgd(-1) hands the unscaled gradients out as the updates), whether
-    the scales are the drawn ones (``same_step=False``) or chosen in the pass from them."""
+    the scales are the drawn ones (``same_step=False``) or chosen in the pass from them,
+    with the loss whole or chunk by chunk in a ``scan`` (its casts measured there)."""
     scaler = alj.adaptive(compute_dtype="float16",  # fp32 models, scaled all the same
                           groups="module", max_rise=1000,  # applied at the drawn scales
                           same_step=same_step)
-    case = build(front_end, around, inside, jnp.float32, scaler)
+    case = build(front_end, around, inside, jnp.float32, scaler, chunks=chunks)
     rng = np.random.default_rng(seed)
     log2 = {g: int(rng.integers(-8, 16)) for g in case.state.groups}
     unscaled, used = unscaled_through_optimizer(case, scaler, log2)

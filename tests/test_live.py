@@ -28,6 +28,7 @@ from test_jax_transformations import (
     PROPERTY,
     _around,
     _jax_model,
+    _mesh,
     _x,
     build,
     unscaled_through_optimizer,
@@ -983,12 +984,23 @@ def _switched(ce):
                                                lambda *a: 2.0 * ce(*a), logits, labels)
 
 
+def _sharded(ce):
+    """``ce(logits, labels)`` per device in a ``shard_map`` over the batch on 2 devices
+    (the mean of their means), each device's cast inside the body."""
+    def sharded(logits, labels):
+        per_device = lambda lg, lb: jax.lax.pmean(ce(lg, lb), "data")  # noqa: E731
+        return jax.shard_map(per_device, mesh=_mesh(), in_specs=(P("data"), P("data")),
+                             out_specs=P())(logits, labels)
+    return sharded
+
+
 _WRAPS = {
     "jit": lambda loss, ce: jax.jit(loss),  # the whole loss jitted
     "jit-ce": lambda loss, ce: loss(ce=jax.jit(ce)),  # a jitted cross-entropy
     "remat": lambda loss, ce: jax.checkpoint(loss),
     "scan-ce": lambda loss, ce: loss(ce=_chunked(ce)),  # cast in each chunk
     "cond-ce": lambda loss, ce: loss(ce=_switched(ce)),  # a cast in each branch
+    "shard-ce": lambda loss, ce: loss(ce=_sharded(ce)),  # a cast on each device
 }
 
 
@@ -996,7 +1008,8 @@ _WRAPS = {
 def test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows(wrap):
     """The loss of the test above (x 2^-30) jitted whole, its cross-entropy jitted on
     its own, the loss under ``jax.checkpoint``, its cross-entropy computed chunk by
-    chunk in a ``scan`` or in a ``cond``'s branch: the cast sits inside a nested
+    chunk in a ``scan``, per device in a ``shard_map`` or in a ``cond``'s branch: the
+    cast sits inside a nested
     equation, and its point goes there (one per branch). The root's statistics after
     step 0 hold the fp32 amax at the cast, and only step 0 is skipped (with no point
     inside, the root measured nothing, jumped blind, and step 1 was skipped too; a
@@ -1071,11 +1084,13 @@ def test_one_jitted_cross_entropy_called_twice_gets_a_point_per_call_and_stays_e
     assert_fp32_trees_close(got, jax.jit(jax.grad(loss_of(m32)))(params, x, y))
 
 
-@pytest.mark.parametrize("wrap", [_chunked, _switched], ids=["scan", "cond"])
+@pytest.mark.parametrize("wrap", [_chunked, _switched, _sharded],
+                         ids=["scan", "cond", "shard_map"])
 def test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact(wrap):
-    """The points on the wide side of a cast inside a ``scan`` body (each chunk's) or a
-    ``cond``'s branches measure and leave the gradient as it is: an fp32 model whose
-    loss casts its output there, at arbitrary per-group scales, gets exact gradients."""
+    """The points on the wide side of a cast inside a ``scan`` body (each chunk's), a
+    ``shard_map``'s (each device's) or a ``cond``'s branches measure and leave the
+    gradient as it is: an fp32 model whose loss casts its output there, at arbitrary
+    per-group scales, gets exact gradients."""
     x = jax.random.normal(jax.random.key(0), (64, 16))
     y = jax.random.randint(jax.random.key(1), (64,), 0, 4)
 
@@ -1089,7 +1104,7 @@ def test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact(wrap)
     m16 = _models.MLP(depth=3, width=32)
     p16 = m16.init(jax.random.key(2), x)["params"]
     rec, _, _ = _grad_trace(loss_of(m16), alj.adaptive(groups="module"), p16, x, y)
-    assert len(rec.casts) == (1 if wrap is _chunked else 2)
+    assert len(rec.casts) == (2 if wrap is _switched else 1)
     m32 = _models.MLP(depth=3, width=32, dtype=jnp.float32)
     params = m32.init(jax.random.key(2), x)["params"]
     scaler = alj.adaptive(groups="module", compute_dtype="float16")
@@ -1169,17 +1184,18 @@ def _point_of(eqn):
     return _jaxpr.point_number(eqn)
 
 
+@pytest.mark.parametrize("chunks", [None, 3], ids=["whole", "chunked"])
 @pytest.mark.parametrize("around", AROUND)
-def test_the_loss_cast_is_measured_around_every_transformation(around):
+def test_the_loss_cast_is_measured_around_every_transformation(around, chunks):
     """The model under vmap, remat, a nested jit, cond or shard_map (typed or not), its
     fp16 output cast to float32 by the loss (x 2^-30: at scale 1 it all flushes in the
-    cast): the root's statistics of the first pass are the fp32 amax of the loss's
-    cotangent at the cast, however the model is wrapped; and every module, which
-    received only zeros computed from it, is starved and told that value (lost_amax),
-    which the rule keeps from flushing again."""
+    cast), whole or chunk by chunk in a ``scan``: the root's statistics of the first
+    pass are the fp32 amax of the loss's cotangent at the cast, however the model is
+    wrapped; and every module, which received only zeros computed from it, is starved
+    and told that value (lost_amax), which the rule keeps from flushing again."""
     tiny = 2.0**-30
     scaler = alj.adaptive(groups="module", retries=0, initial_scale=1.0)
-    case = build("jax", around, "none", jnp.float16, scaler, tiny=tiny)
+    case = build("jax", around, "none", jnp.float16, scaler, tiny=tiny, chunks=chunks)
     _, _, stats = case.grads(case.state)
     params, apply = _jax_model("none", jnp.float16)
     out = _around(around, functools.partial(apply, params))(_x(jnp.float32))

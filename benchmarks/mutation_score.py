@@ -32,6 +32,11 @@ import subprocess
 import sys
 import time
 
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: pip install tomli
+    import tomli as tomllib
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SEED = 31
 SAMPLE = 100
@@ -90,22 +95,33 @@ def _diff(get_diff, name, data):
     return get_diff(name, path=data.path)
 
 
-def _own_tests_fail(name: str) -> bool:
+def _tests_fail(name: str) -> str | None:
     """mutmut picks a mutant's tests by the calls it saw while each test ran, so a
     function called when a module is imported (a format table, a registry) has none or
-    the wrong ones. A mutant that survived those runs once more against its module's own
-    test file, ``tests/test_<module>.py``, where one exists."""
+    the wrong ones, and a test that reaches it through a jitted or cached program may be
+    missed. A mutant that survived those runs once more against its module's own test
+    file, ``tests/test_<module>.py`` where one exists, then against the whole fast tier
+    as ``[tool.mutmut] pytest_add_cli_args_test_selection`` selects it (stopping at the
+    first failure). Returns which killed it, with the first failing test, or ``None``."""
     module = name.split(".x")[0].rsplit(".", 1)[-1].lstrip("_")
     own = os.path.join("tests", f"test_{module}.py")
-    if not os.path.exists(own):
-        return False
     env = {**os.environ, "MUTANT_UNDER_TEST": name}
-    run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly",
-                          "-p", "no:cacheprovider", "-p", "no:xdist", own],
-                         cwd="mutants", env=env, capture_output=True)
-    print(f"{name}: its module's tests {own} "
-          f"{'fail (killed)' if run.returncode == 1 else 'pass'}")
-    return run.returncode == 1
+    with open(os.path.join(ROOT, "pyproject.toml"), "rb") as f:
+        selection = tomllib.load(f)["tool"]["mutmut"]["pytest_add_cli_args_test_selection"]
+    runs = [("its module's tests", [own, "-p", "no:xdist"])] if os.path.exists(own) else []
+    runs.append(("the fast tier", [*selection, "-n", "2"]))
+    for what, args in runs:
+        run = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:randomly",
+                              "-p", "no:cacheprovider", *args],
+                             cwd="mutants", env=env, capture_output=True, text=True)
+        failed = [line.split()[1] for line in run.stdout.splitlines()
+                  if line.startswith("FAILED ")]
+        killed = run.returncode == 1 or bool(failed)  # (xdist's -x exits with 2)
+        print(f"{name}: {what} {'fail (killed)' if killed else 'pass'}"
+              + (f": {failed[0]}" if failed else ""))
+        if killed:
+            return what + (f" ({failed[0]})" if failed else "")
+    return None
 
 
 def main(argv=None) -> int:
@@ -159,8 +175,10 @@ def main(argv=None) -> int:
             # the tests did not pass, so the break was caught)
             status[name] = "killed (the tests' process crashed)"
     for name in sample:
-        if status[name] in ("survived", "no tests") and _own_tests_fail(name):
-            status[name] = "killed by its module's tests"
+        if status[name] in ("survived", "no tests"):
+            by = _tests_fail(name)
+            if by:
+                status[name] = f"killed by {by}"
     stale = []
     equivalent = []
     for name, (line, _why) in EQUIVALENT.items():

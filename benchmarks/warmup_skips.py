@@ -6,9 +6,15 @@ statistics and any skipped step is the scale rule's doing:
 - ``attn5``: five blocks of LayerNorm -> qkv Dense -> softmax attention -> Dense with a
   residual, fp16 compute, width 32, batch 1024 x 8 tokens, a Dense head;
 - ``gpt6`` / ``gpt6-scan``: the bench's byte GPT with 6 blocks (unrolled, or one
-  ``nn.scan``), batch 16 x 63 bytes.
+  ``nn.scan``), batch 16 x 63 bytes;
+- models no issue named, for a sweep (``--tasks cnn,deepsig,tied,residual``): ``cnn``
+  (two convolutions, a LayerNorm, two Dense), ``deepsig`` (ten sigmoid Dense layers),
+  ``tied`` (3 pre-norm MLP blocks on token embeddings, the embedding also the output
+  layer through ``Embed.attend``), ``residual`` (six Dense layers on a residual stream), all
+  fp16 compute.
 
-For each: fp16 and e4m3 cotangents (``simulate=True``), per module and one global scale,
+For each: fp16 and e4m3 cotangents (``simulate=True``; ``--formats`` adds e5m2), per
+module and one global scale,
 ``steps`` steps from the default initial scale; printed: skipped steps (which), passes
 retried inside steps (``AdaptiveScaleState.total_retries``), the root's final log2 scale,
 and ``moved``: the most any group's log2 scale moved from after step 0 to the end (how
@@ -21,6 +27,8 @@ far the first pass's scales were from where they settle).
     python benchmarks/warmup_skips.py --loss-log2 -20 # the loss x 2^-20 (the bench's tiny
                                                       # regime: the loss's cast flushes)
     python benchmarks/warmup_skips.py --loss-in scan-ce  # the cast in a nested equation
+    python benchmarks/warmup_skips.py --tasks cnn,deepsig,tied,residual --steps 8 \
+        --formats float16,float8_e4m3fn,float8_e5m2 --reduce sum   # a summed loss
 """
 
 from __future__ import annotations
@@ -56,21 +64,72 @@ class Attn5(nn.Module):
         return nn.Dense(10, dtype=jnp.float16)(x)
 
 
-def _task(name, loss_log2=0, loss_in="top"):
+class _CNN(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.relu(nn.Conv(16, (3, 3), dtype=jnp.float16)(x))
+        x = nn.relu(nn.Conv(32, (3, 3), strides=2, dtype=jnp.float16)(x))
+        x = nn.LayerNorm(dtype=jnp.float16)(x).reshape(x.shape[0], -1)
+        return nn.Dense(10, dtype=jnp.float16)(nn.gelu(nn.Dense(64, dtype=jnp.float16)(x)))
+
+
+class _DeepSigmoid(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = x.reshape(x.shape[0], -1)
+        for _ in range(10):
+            x = nn.sigmoid(nn.Dense(64, dtype=jnp.float16)(x))
+        return nn.Dense(10, dtype=jnp.float16)(x)
+
+
+class _Tied(nn.Module):
+    @nn.compact
+    def __call__(self, tokens):
+        embed = nn.Embed(64, 32, dtype=jnp.float16)
+        h = embed(tokens)
+        for _ in range(3):
+            mlp = nn.Dense(64, dtype=jnp.float16)(nn.LayerNorm(dtype=jnp.float16)(h))
+            h = h + nn.Dense(32, dtype=jnp.float16)(nn.gelu(mlp))
+        return embed.attend(nn.LayerNorm(dtype=jnp.float16)(h))
+
+
+class _Residual(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, dtype=jnp.float16)(x.reshape(x.shape[0], -1))
+        for _ in range(6):
+            x = x + nn.Dense(32, dtype=jnp.float16)(nn.relu(x)) * 0.5
+        return nn.Dense(10, dtype=jnp.float16)(x)
+
+
+_SWEEP = {"cnn": _CNN, "deepsig": _DeepSigmoid, "residual": _Residual}
+TASKS = ("attn5", "gpt6", "gpt6-scan", "tied", *_SWEEP)
+
+
+def _task(name, loss_log2=0, loss_in="top", reduce="mean"):
+    key = jax.random.key
     if name == "attn5":
         model = Attn5()
-        x = jax.random.normal(jax.random.key(0), (1024, 8, 16))
-        y = jax.random.randint(jax.random.key(1), (1024, 8), 0, 10)
+        x = jax.random.normal(key(0), (1024, 8, 16))
+        y = jax.random.randint(key(1), (1024, 8), 0, 10)
+    elif name == "tied":
+        model = _Tied()
+        x = jax.random.randint(key(0), (32, 16), 0, 64)
+        y = jax.random.randint(key(1), (32, 16), 0, 64)
+    elif name in _SWEEP:
+        model = _SWEEP[name]()
+        x = jax.random.normal(key(0), (64, 12, 12, 1))
+        y = jax.random.randint(key(1), (64,), 0, 10)
     else:
         model = GPT(layers=6, scan=name.endswith("scan"))
-        tokens = jax.random.randint(jax.random.key(0), (16, 64), 0, 256)
+        tokens = jax.random.randint(key(0), (16, 64), 0, 256)
         x, y = tokens[:, :-1], tokens[:, 1:]
-    params = model.init(jax.random.key(2), x)["params"]
+    params = model.init(key(2), x)["params"]
 
     def ce(out, labels):
         logits = out.astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean() * (
-            2.0**loss_log2)
+        each = optax.softmax_cross_entropy_with_integer_labels(logits, labels)
+        return (each.sum() if reduce == "sum" else each.mean()) * 2.0**loss_log2
 
     ce = _CE_WRAPS.get(loss_in, lambda f: f)(ce)
 
@@ -117,8 +176,9 @@ _CE_WRAPS = {
 LOSS_IN = ("top", *_LOSS_WRAPS, *_CE_WRAPS)
 
 
-def run(name, groups, dtype, steps, retries, same_step=None, loss_log2=0, loss_in="top"):
-    model, params, loss_fn, x, y = _task(name, loss_log2, loss_in)
+def run(name, groups, dtype, steps, retries, same_step=None, loss_log2=0, loss_in="top",
+        reduce="mean"):
+    model, params, loss_fn, x, y = _task(name, loss_log2, loss_in, reduce)
     scaler = alj.adaptive(groups=groups, grad_dtype=dtype, simulate=dtype != "float16",
                           retries=retries, same_step=same_step)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
@@ -138,7 +198,12 @@ def run(name, groups, dtype, steps, retries, same_step=None, loss_log2=0, loss_i
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    ap.add_argument("--tasks", default="attn5,gpt6,gpt6-scan")
+    ap.add_argument("--tasks", default="attn5,gpt6,gpt6-scan",
+                    help=f"comma list of {', '.join(TASKS)}")
+    ap.add_argument("--formats", default="float16,float8_e4m3fn",
+                    help="comma list of grad_dtype values (fp8 ones simulated)")
+    ap.add_argument("--reduce", default="mean", choices=("mean", "sum"),
+                    help="the cross-entropy's reduction over tokens")
     ap.add_argument("--steps", type=int, default=30)
     ap.add_argument("--retries", type=int, default=alj.adaptive().retries)
     ap.add_argument("--delayed", action="store_true",
@@ -155,12 +220,17 @@ def main(argv=None):
     args = ap.parse_args(argv)
     print(f"{'task':<10} {'format':<14} {'groups':<7} {'skipped':>7}  {'retries':>7}  "
           f"{'root':>5}  {'moved':>5}  which")
+    unknown = set(args.tasks.split(",")) - set(TASKS)
+    if unknown:
+        ap.error(f"unknown --tasks {', '.join(sorted(unknown))}; choose from "
+                 f"{', '.join(TASKS)}")
     for name in args.tasks.split(","):
-        for dtype in ("float16", "float8_e4m3fn"):
+        for dtype in args.formats.split(","):
             for groups in args.groups.split(","):
                 skipped, retries, root, moved = run(
                     name, groups, dtype, args.steps, args.retries,
-                    False if args.delayed else None, args.loss_log2, args.loss_in)
+                    False if args.delayed else None, args.loss_log2, args.loss_in,
+                    args.reduce)
                 which = ",".join(map(str, skipped[:12])) + ("..." if len(skipped) > 12 else "")
                 print(f"{name:<10} {dtype:<14} {groups:<7} {len(skipped):>7}  {retries:>7}  "
                       f"{root:>5.0f}  {moved:>5.0f}  {which or '-'}", flush=True)

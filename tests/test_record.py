@@ -44,3 +44,28 @@ def test_outside_a_gradient_function_a_marked_function_is_the_function():
     assert dense_a(PARAMS["rec_a"], X).shape == (4, 3)
     with pytest.raises(ValueError, match="non-empty name"):
         alj.scale_group("")
+
+
+def test_models_applied_to_sub_trees_name_their_groups_by_where_the_sub_tree_sits():
+    """A loss applying a head and a body to sub-trees of its parameters, the body's
+    module names repeating the head's (``Dense_0``): each group is named by its
+    parameters' place in the whole tree, found by the identity of the sub-tree's leaves
+    (the fast tier's trace-only twin of ``test_adaptive``'s training test)."""
+    from flax import linen as nn
+
+    class Body(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(8, dtype=jnp.float16)(jnp.tanh(nn.Dense(8, dtype=jnp.float16)(x)))
+
+    body, head = Body(), nn.Dense(4, dtype=jnp.float16)
+    x = jnp.ones((4, 8))
+    params = {"Dense_0": head.init(jax.random.key(2), x)["params"],
+              "body": body.init(jax.random.key(3), x)["params"]}
+
+    def loss_fn(p, x):
+        h = body.apply({"params": p["body"]}, x)
+        return jnp.mean(head.apply({"params": p["Dense_0"]}, h).astype(jnp.float32))
+
+    _, _, groups = _grad.trace(loss_fn, alj.adaptive(groups="module"), params, (x,), {})
+    assert groups == ["", "Dense_0", "body/Dense_0", "body/Dense_1"]

@@ -984,13 +984,14 @@ def _switched(ce):
                                                lambda *a: 2.0 * ce(*a), logits, labels)
 
 
-def _sharded(ce):
+def _sharded(ce, check_vma=True):
     """``ce(logits, labels)`` per device in a ``shard_map`` over the batch on 2 devices
-    (the mean of their means), each device's cast inside the body."""
+    (the mean of their means), each device's cast inside the body; typed, or not
+    (``check_vma=False``)."""
     def sharded(logits, labels):
         per_device = lambda lg, lb: jax.lax.pmean(ce(lg, lb), "data")  # noqa: E731
         return jax.shard_map(per_device, mesh=_mesh(), in_specs=(P("data"), P("data")),
-                             out_specs=P())(logits, labels)
+                             out_specs=P(), check_vma=check_vma)(logits, labels)
     return sharded
 
 
@@ -1001,6 +1002,7 @@ _WRAPS = {
     "scan-ce": lambda loss, ce: loss(ce=_chunked(ce)),  # cast in each chunk
     "cond-ce": lambda loss, ce: loss(ce=_switched(ce)),  # a cast in each branch
     "shard-ce": lambda loss, ce: loss(ce=_sharded(ce)),  # a cast on each device
+    "shard-ce-untyped": lambda loss, ce: loss(ce=_sharded(ce, check_vma=False)),
 }
 
 
@@ -1084,8 +1086,9 @@ def test_one_jitted_cross_entropy_called_twice_gets_a_point_per_call_and_stays_e
     assert_fp32_trees_close(got, jax.jit(jax.grad(loss_of(m32)))(params, x, y))
 
 
-@pytest.mark.parametrize("wrap", [_chunked, _switched, _sharded],
-                         ids=["scan", "cond", "shard_map"])
+@pytest.mark.parametrize("wrap", [_chunked, _switched, _sharded,
+                                  functools.partial(_sharded, check_vma=False)],
+                         ids=["scan", "cond", "shard_map", "shard_map_untyped"])
 def test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact(wrap):
     """The points on the wide side of a cast inside a ``scan`` body (each chunk's), a
     ``shard_map``'s (each device's) or a ``cond``'s branches measure and leave the

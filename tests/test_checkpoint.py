@@ -48,6 +48,19 @@ def test_a_checkpoint_of_another_model_names_the_first_difference(tmp_path):
         alj.checkpoint.load_state(path, {"w": jnp.zeros(3)})
 
 
+def test_a_python_number_in_the_template_matches_its_kind_and_names_it(tmp_path):
+    """A Python number in the template (``TrainState.create``'s ``step=0``) matches an
+    array of its kind, any width; a checkpoint holding another kind there is refused
+    with the number's Python type and the checkpoint's dtype named."""
+    path = tmp_path / "state.ckpt"
+    alj.checkpoint.save_state(path, {"step": jnp.int32(7), "w": jnp.zeros(2)})
+    back = alj.checkpoint.load_state(path, {"step": 0, "w": jnp.zeros(2)})
+    assert int(back["step"]) == 7
+    with pytest.raises(ValueError, match=r"at /step: dtype differs, expected a Python "
+                                         r"float, checkpoint has int32"):
+        alj.checkpoint.load_state(path, {"step": 0.0, "w": jnp.zeros(2)})
+
+
 def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch):
     path = tmp_path / "state.ckpt"
     alj.checkpoint.save_state(path, {"w": jnp.arange(3.0)})

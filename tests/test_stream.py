@@ -145,3 +145,19 @@ def test_recording_is_not_fooled_by_jax_trace_caches():
     rec, plan = plan_of(lambda p, x: jnp.sum(jb(p["b"], a(p["a"], x))))
     assert len(rec.sizes) == 4
     assert len(applied(plan)) >= 2
+
+
+@pytest.mark.parametrize("wrap", [jax.jit, jax.checkpoint], ids=["jit", "remat"])
+def test_a_stack_of_layers_in_a_jitted_or_rematerialised_loss_keeps_a_scale_per_layer(wrap):
+    """The stacked parameters enter a nested ``jit`` or ``checkpoint`` as they are (each
+    read once): the walk follows them in, so the scan there is still a stack of layers,
+    a group per layer, as in the loss unwrapped."""
+    import _stacked
+
+    from adaloss_jax import _grad
+
+    x = jnp.ones((2, 4), jnp.float16)
+    scaler = alj.adaptive(groups="module")
+    _, _, plain = _grad.trace(_stacked.loss, scaler, _stacked.params(), (x,), {})
+    _, _, wrapped = _grad.trace(wrap(_stacked.loss), scaler, _stacked.params(), (x,), {})
+    assert wrapped == plain == ["", "Dense_0", *(f"{_stacked.STACK}[{i}]" for i in range(3))]

@@ -135,7 +135,8 @@ def nested_jit(eqn):
     return None
 
 
-def _body(inner):
+def open_jaxpr(inner):
+    """The open ``Jaxpr`` of a sub-jaxpr as an equation holds it (closed or open)."""
     return inner.jaxpr if isinstance(inner, jcore.ClosedJaxpr) else inner
 
 
@@ -152,9 +153,8 @@ def cast_bodies(eqn) -> list:
     if (eqn.primitive.name == "shard_map" and isinstance(inner, jcore.Jaxpr)
             and not inner.constvars):
         return [inner]
-    if eqn.primitive.name == "scan" and isinstance(eqn.params.get("jaxpr"),
-                                                   jcore.ClosedJaxpr):
-        return [eqn.params["jaxpr"]]
+    if eqn.primitive.name == "scan" and isinstance(inner, jcore.ClosedJaxpr):
+        return [inner]
     if eqn.primitive.name == "cond":
         return list(eqn.params["branches"])
     return []
@@ -202,7 +202,7 @@ def _casts(jaxpr, narrow, reader: Reader, after: set, prefix: tuple) -> tuple[li
                 nc = eqn.params["num_consts"]
                 carry = range(nc, nc + eqn.params["num_carry"])
             for b, inner in enumerate(bodies):
-                body = _body(inner)
+                body = open_jaxpr(inner)
                 start = {u for v, u in zip(operands, body.invars)
                          if isinstance(v, jcore.Var) and v in after}
                 while True:  # (a scan's carry computed after a point: its next iteration)
@@ -238,4 +238,4 @@ def region_var(jaxpr, path: tuple[int, ...], reader: Reader | None = None):
     if reader.kind(eqn) == PLAIN:
         return next((v for v in (*eqn.outvars, *eqn.invars) if isinstance(v, jcore.Var)
                      and not isinstance(v, jcore.DropVar)), eqn.outvars[0])
-    return region_var(_body(cast_bodies(eqn)[path[1]]), path[2:], reader)
+    return region_var(open_jaxpr(cast_bodies(eqn)[path[1]]), path[2:], reader)

@@ -316,10 +316,10 @@ def record(fun: Callable, params: Any, args: tuple, kwargs: dict, selects: Calla
 def mark_casts(rec: Recording, at: Sequence[tuple[int, ...]]) -> Recording:
     """``rec`` with a scale point of its own after each of the cast equations ``at``
     (their paths, :func:`adaloss_jax._jaxpr.widening_casts`: at the top level or inside
-    nested ``jit``, ``checkpoint``, ``scan``, ``shard_map`` or ``cond`` equations, whose jaxprs are
-    rebuilt with the point inside), numbered after the recorded ones in program order:
-    a point on the wide side of a cast measures the cotangent before it is cast down.
-    Nothing else in the program changes."""
+    nested ``jit``, ``checkpoint``, ``scan``, ``shard_map`` or ``cond`` equations, whose
+    jaxprs are rebuilt with the point inside), numbered after the recorded ones in
+    program order: a point on the wide side of a cast measures the cotangent before it
+    is cast down. Nothing else in the program changes."""
     if not at:
         return rec
     casts = dict(rec.casts)
@@ -337,10 +337,8 @@ def mark_casts(rec: Recording, at: Sequence[tuple[int, ...]]) -> Recording:
                                       for v in eqn.invars])
             for (at, b), rest in deeper.items():  # a sub-jaxpr with the points inside
                 if at == i:
-                    body = _jaxpr.cast_bodies(eqn)[b]
-                    eqn = _jaxpr.with_cast_body(
-                        eqn, b, insert(body.jaxpr if isinstance(body, jcore.ClosedJaxpr)
-                                       else body, rest))
+                    body = _jaxpr.open_jaxpr(_jaxpr.cast_bodies(eqn)[b])
+                    eqn = _jaxpr.with_cast_body(eqn, b, insert(body, rest))
             eqns.append(eqn)
             if i in here:
                 y = eqn.outvars[0]

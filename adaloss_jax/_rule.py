@@ -65,6 +65,9 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     headroom it learned from its own overflows)::
 
         held_k  = max(log2 A_k, held_k(previous) - decay)      # held peak; decay=inf: A_k
+                  (kept as it was where k was starved: its statistics miss what was
+                  lost, and a same-step choice is bounded by the rule's scale only once
+                  the group was measured: :func:`adaloss_jax._grad._limits`)
         T_k     = floor(log2 u_max - margin - held_k)           # "amax"
         T_k     = max(T_k, floor(log2 u_max - margin - max_j log2 A_j))   # finite steps,
                   several groups: never below the one global scale (no more flushing)
@@ -238,13 +241,18 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
         # One scale, as high as the largest gradients allow (within a binade of the
         # target), flushed a module's cotangent entirely: more span than it can hold.
         top = jnp.max(jnp.where(act, jnp.log2(amax), -jnp.inf))
-        held = top >= log2_max - cfg.margin - 1
-        health = health | jnp.where(m.loss_finite & m.grads_finite & m.flushed & held,
+        as_high = top >= log2_max - cfg.margin - 1
+        health = health | jnp.where(m.loss_finite & m.grads_finite & m.flushed & as_high,
                                     Health.SPAN, 0).astype(jnp.int32)
     # A group that measured nothing had everything below u_min / 2 at its scale: a held
-    # peak above that is stale (else a blind jump and the peak would alternate).
+    # peak above that is stale (else a blind jump and the peak would alternate). A
+    # starved group's statistics miss what was lost on its way: no peak of them (its
+    # same-step choices are not bounded by a scale set from part of its values).
     flushed = jnp.minimum(prev_amax, math.log2(fmt.min_subnormal) - 1.0 - used)
-    peak = jnp.where(bad | hold | backs_off, prev_amax,
+    keep_peak = bad | hold | backs_off
+    if starved is not None:
+        keep_peak = keep_peak | (starved & (amax > 0))
+    peak = jnp.where(keep_peak, prev_amax,
                      jnp.where(act & (amax == 0) & m.loss_finite, flushed, held))
     names = state.groups
     return state.replace(

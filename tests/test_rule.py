@@ -167,6 +167,37 @@ def test_a_starved_group_rises_at_most_by_the_jump_that_cannot_overflow_what_it_
     assert _scales(starved) == [_scales(fed)[0], 10.0 + jump, _scales(fed)[2]]
 
 
+def test_a_starved_group_keeps_its_peak_and_so_no_prior_for_same_step_choices():
+    """A starved group's statistics miss what was lost on its way: its held peak stays
+    as it was (here: nothing measured yet, so its next same-step choice is not bounded
+    by a scale set from part of its values); the others record theirs."""
+    from adaloss_jax import _grad
+
+    state = _state(max_rise=100, decay=math.inf)
+    unit = [-12.0, -40.0, -20.0]
+    new = adjust(state, _measured(state, unit, starved=jnp.asarray([False, True, False])))
+    assert [float(v) for v in new.log2_amax.array] == [-12.0, -INF, -20.0]
+    limits = _grad._limits(new, GROUPS)
+    assert [float(limits[g][1]) for g in GROUPS] == [_scales(new)[0], INF, _scales(new)[2]]
+    fed = adjust(new, _measured(new, unit))
+    assert float(fed.log2_amax["a"]) == -40.0
+
+
+def test_one_global_scale_holds_its_peak_as_every_group_does():
+    """With one global scale the held peak is the measured unit amax (it held the span
+    check's yes or no, 0 or 1, before)."""
+    scaler = alj.adaptive(groups="global", max_rise=100, decay=math.inf)
+    state = alj.adaptive_unscale(scaler).init({"w": jnp.zeros(3)})
+    used = jnp.asarray([5.0])
+    m = _rule.Measured(active=jnp.asarray([True]), used=used,
+                       amax=jnp.asarray([2.0 ** (5 - 17.5)]), bad=jnp.asarray([False]),
+                       param_nonfinite=jnp.asarray([False]), grads_finite=jnp.asarray(True),
+                       loss_finite=jnp.asarray(True), flushed=jnp.asarray(False),
+                       starved=jnp.asarray([False]), lost_amax=jnp.asarray([-INF]))
+    new = jax.jit(_rule.adjust)(state.with_log2_scales({"": 5.0}), m)
+    assert float(new.log2_amax[""]) == -17.5
+
+
 def test_a_starved_group_never_returns_to_where_what_it_measured_flushes():
     """The root, at -20, measured 2**-40 at unit scale on the wide side of the loss's
     cast (fp32), and the cast flushed it (the root is starved): the blind jump (to 14)

@@ -33,6 +33,7 @@ from adaloss_jax._common import min_once
 from adaloss_jax._layout import GroupVector, layers
 from adaloss_jax._state import ScaleStats
 from adaloss_jax._stream import Plan, Steps
+from adaloss_jax._tree import state_group
 
 
 class Site(NamedTuple):
@@ -134,13 +135,18 @@ class Program:
             if pair[0] is not None:  # else computed from parameters alone: passes as is
                 members.setdefault(pair, []).append(i)
         sites = []
-        if n in self.casts:  # on the wide side of a cast: measured before it narrows
+        if n in self.casts:  # on the wide side of a cast: measured before it narrows,
+            # and converted from the loss's seed where the plan says (_stream.analyse):
+            # then only what it converts to must fit the narrow dtype
             lim = float(jnp.finfo(self.casts[n]).max)
-            cfg = _channel.PointConfig(self.columns, convert=False, measure=True,
-                                       y_max=lim, x_max=lim)
-            return [Site(n, tuple(idx), (xa, ya), cfg,
-                         _channel.Row(ya, xa, lim, lim, wide=True))
-                    for (xa, ya), idx in members.items()]
+            sites = []
+            for (xa, ya), idx in members.items():
+                y_max = lim if xa == ya else min(
+                    float(jnp.finfo(eqn.invars[i].aval.dtype).max) for i in idx)
+                sites.append(Site(n, tuple(idx), (xa, ya), _channel.PointConfig(
+                    self.columns, convert=xa != ya, measure=True, y_max=y_max, x_max=lim),
+                    _channel.Row(ya, xa, y_max, lim, wide=True)))
+            return sites
         for (xa, ya), idx in members.items():
             y_max = fmt.max
             if self.scaler.simulate:  # cotangents held in the compute dtype between groups
@@ -497,8 +503,8 @@ def anchor_scales(log2, pairs: Sequence[tuple], used) -> tuple[dict, dict]:
         flat = used.array
         for a in layered:
             width = max(len(x) for x in a)
-            idx = [[used.index(g) for g in x] + [used.index(x[0])] * (width - len(x))
-                   for x in a]
+            idx = [[used.index(state_group(g)) for g in x]
+                   + [used.index(state_group(x[0]))] * (width - len(x)) for x in a]
             sigma[a] = jnp.min(flat[jnp.asarray(idx, jnp.int32)], axis=1)
     converted = dict.fromkeys(a for x, y in pairs if x != y for a in (x, y))
     scale = {a: _formats.pow2(sigma[a]) for a in converted}

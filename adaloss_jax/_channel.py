@@ -37,6 +37,7 @@ import jax.numpy as jnp
 from adaloss_jax import _formats
 from adaloss_jax._layout import GroupVector
 from adaloss_jax._state import ScaleStats
+from adaloss_jax._tree import ROOT, SEED
 
 _AMAX, _BAD_Y, _BAD_X, _SUMSQ, _COUNT = range(5)
 _MAXED = 3  # the first three columns reduce by max, the rest by sum
@@ -284,7 +285,9 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
       fmt_max: the largest finite value of the scaler's format.
       planned: where live regions chose their own scales (``AdaptiveScale.same_step``),
         the scales the plan set: a fan-in's scale (a set of several groups) is the min
-        of their planned scales, a one-group region's its group's in ``used``.
+        of their planned scales, a one-group region's its group's in ``used`` (but
+        the loss's seed, :data:`~adaloss_jax._tree.SEED`: the root's planned scale; its
+        rows count for the root).
 
     Vectorised over rows with static index arrays: a handful of ops whatever the
     model's size and depth.
@@ -292,6 +295,7 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     groups = used.names
     log2 = used.array
     gi = {g: i for i, g in enumerate(groups)}
+    gi[SEED] = gi.get(ROOT)  # (the loss's seed: counts for the root, at its planned scale)
     ng = len(groups)
     z = jnp.zeros((ng,), jnp.float32)
     vec = lambda v: GroupVector(groups, v)
@@ -309,10 +313,13 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     # Attributions: each row counts for every group anchoring either of its sides.
     e_row, e_grp, e_set, e_lim = [], [], [], []
     for r, row in enumerate(rows):
-        for g in dict.fromkeys(row.y + row.x):
-            lim = min(row.y_max if g in row.y else math.inf, row.x_max if g in row.x else math.inf)
+        lims: dict = {}  # group -> the largest value where it holds the row
+        for side, side_max in ((row.y, row.y_max), (row.x, row.x_max)):
+            for g in side:
+                lims[gi[g]] = min(lims.get(gi[g], math.inf), side_max)
+        for i, lim in lims.items():
             e_row.append(r)
-            e_grp.append(gi[g])
+            e_grp.append(i)
             e_set.append(si[row.y])
             e_lim.append(fmt_max / lim)
     e_row, e_grp, e_set = (jnp.asarray(v, jnp.int32) for v in (e_row, e_grp, e_set))
@@ -322,7 +329,7 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     sigma_vec = jnp.min((log2 if planned is None else planned.array)[
         jnp.asarray(members, jnp.int32)], axis=1)
     if planned is not None:
-        single = jnp.asarray([len(a) == 1 for a in sets])
+        single = jnp.asarray([len(a) == 1 and a[0] != SEED for a in sets])
         sigma_vec = jnp.where(single, log2[jnp.asarray([gi[a[0]] for a in sets])],
                               sigma_vec)
     k = log2[e_grp] - sigma_vec[e_set]

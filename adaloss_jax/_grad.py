@@ -36,7 +36,7 @@ from adaloss_jax._state import (
     Handed,
     ScaleStats,
 )
-from adaloss_jax._tree import ROOT
+from adaloss_jax._tree import ROOT, state_group
 
 
 def _selector(scaler: AdaptiveScale, owners: set, deep: set, marked: set = frozenset()
@@ -148,7 +148,8 @@ SAME_STEP_NONE = (
 def _plan(rec: _record.Recording, scaler: AdaptiveScale, owners: list,
           stacks: dict) -> _stream.Plan:
     keep = rec.rounding if scaler.simulate else frozenset()
-    plan = _stream.analyse(rec.closed.jaxpr, rec.sizes, owners, keep=keep, stacks=stacks)
+    plan = _stream.analyse(rec.closed.jaxpr, rec.sizes, owners, keep=keep, stacks=stacks,
+                           casts=frozenset(rec.casts))
     if scaler.groups == "module":
         return plan
     # One group: every point measures at the root scale and converts nothing.
@@ -443,14 +444,15 @@ def _typed_like(tree, types):
 
 class _Scales(dict):
     """``log2[g]``: group ``g``'s log2 scale, read from the state when first asked for
-    (a stack's slots are read as one vector, not one by one)."""
+    (a stack's slots are read as one vector, not one by one); the loss's seed,
+    :data:`~adaloss_jax._tree.SEED`, runs at the root's."""
 
     def __init__(self, scales: GroupVector):
         super().__init__()
         self.scales = scales
 
     def __missing__(self, g):
-        self[g] = value = self.scales[g]
+        self[g] = value = self.scales[state_group(g)]
         return value
 
 

@@ -9,7 +9,13 @@ backward pass can set its scale where the cotangent enters it::
     decider of g  = the entry last in the forward order (first in the backward pass)
     border of g   = the other converting points with (g,) on a side (the other entries
                     included), and the parameter conversions into or out of (g,)
-    live          = g is no root and no stack slot, and its decider and whole border sit
+    live          = g is no stack slot, nor the root where it anchors the loss's region
+                    (whose scale is the loss's seed: the root is live only where that
+                    region is the seed's, :data:`~adaloss_jax._tree.SEED`, left only
+                    through casts, and its every entry is such a cast, its decider the
+                    one last in the forward order: a root entered elsewhere, such as a
+                    GPT's position embedding read on the residual stream, holds values
+                    the casts never see), and its decider and whole border sit
                     in one scope of the recorded program (its top level with nested jits
                     inlined, or one checkpoint body or cond branch), each met once (not
                     inside a scan or shard_map of the loss: there a point's backward
@@ -47,7 +53,7 @@ from typing import NamedTuple
 
 from adaloss_jax._layout import Layer
 from adaloss_jax._stream import Steps
-from adaloss_jax._tree import ROOT
+from adaloss_jax._tree import ROOT, SEED
 
 
 class Chain(NamedTuple):
@@ -212,8 +218,9 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             order[("scan", scan.id)] = scan.at
             counts[("scan", scan.id)] = 1
     firsts = {c.slots[c.first] for _, c in chains.values()}
+    seeded = any(y == (SEED,) for _, (_, y), _ in every)
     live, needs = _regions([e for e in every if e[0] not in inside], order, counts, params,
-                           stacked, extra, firsts)
+                           stacked, extra, firsts, root=seeded)
     deciders = {d: g for g, d in live.items()}
     for i, (_, c) in chains.items():
         deciders[c.decider] = CHAIN_X
@@ -234,10 +241,10 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
 
 
 def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: frozenset,
-             extra: dict, firsts=frozenset()) -> tuple[dict, dict]:
+             extra: dict, firsts=frozenset(), root: bool = False) -> tuple[dict, dict]:
     """The live groups with their deciders, and what every site needs, of the sites
     ``every`` (``extra``: border keys beyond theirs; ``firsts``: groups whose tokens a
-    chain takes)."""
+    chain takes; ``root``: whether the root may be live, its regions not the loss's)."""
     entries: dict[str, list] = {}
     border: dict[str, list] = {g: list(keys) for g, keys in extra.items()}
     unfit: set[str] = set()  # met per layer
@@ -261,7 +268,9 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
     live: dict[str, tuple] = {}
     for g, keys in entries.items():
         one_layer = isinstance(g, Layer) and g.index is not None  # (not a body's symbol)
-        if g == ROOT or g in unfit or g in stacked or one_layer:
+        if g == ROOT and not (root and all(y == (SEED,) for _, (_, y) in keys)):
+            continue  # (the loss's region, or entered where no cast measures)
+        if g in unfit or g in stacked or one_layer:
             continue
         rest = keys + border.get(g, [])
         if not all(counts[k] == 1 and k in order for k in rest):

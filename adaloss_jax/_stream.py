@@ -7,7 +7,9 @@ hold its cotangents at one scale; a scale point converts between the regions on 
 sides. This module finds the regions in the jaxpr of the loss, once per program
 structure, and gives each one its *anchors*, the scale groups that set its scale::
 
-    region holding the loss            -> {root}
+    region holding the loss            -> {root}, or {seed} where its cotangent leaves
+                                           it only through the casts of the model's
+                                           outputs (its values all wide: see analyse)
     region using parameters of groups G -> G         (a module's interior: its own group)
     any other region                    -> union of the anchors of the regions its
                                            cotangents come from (the consumers' side of
@@ -38,7 +40,7 @@ import jax.extend.core as jcore
 
 from adaloss_jax import _jaxpr
 from adaloss_jax._layout import Layer
-from adaloss_jax._tree import ROOT, is_differentiable
+from adaloss_jax._tree import ROOT, SEED, is_differentiable
 
 
 class Steps(tuple):
@@ -321,7 +323,8 @@ class _Walker:
 
 
 def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
-            loss_index: int = 0, keep: frozenset = frozenset(), stacks=None) -> Plan:
+            loss_index: int = 0, keep: frozenset = frozenset(), stacks=None,
+            casts: frozenset = frozenset()) -> Plan:
     """The plan of a traced loss.
 
     Args:
@@ -335,6 +338,18 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
         anything new (those that round cotangents to a simulated format).
       stacks: ``{group: depth}`` of the groups that have a slot ``group[i]`` per layer
         (:func:`adaloss_jax._groups.stack_lengths`).
+      casts: the points on the wide side of a cast of the loss
+        (:func:`adaloss_jax._record.mark_casts`).
+
+    The region holding the loss is anchored by :data:`~adaloss_jax._tree.SEED`, not
+    the root, where every point with the loss's region on a side is such a cast, with
+    the loss's region on its consumer side and another on its producer side, and no
+    parameter is read there: its cotangents are then all measured in the wide dtype
+    before a cast narrows them, so the loss's seed scale (the root's scale from the
+    state) loses nothing there, and the root's own regions (its parameters' and the
+    cast's narrow side: a region whose cotangents come from the loss's region alone is
+    anchored by the root) may choose their scale in the same backward pass, at the
+    cast (:mod:`adaloss_jax._live`).
 
     A point that would convert nothing and whose every input comes straight from
     another point (whose output nothing else reads) is left out of the applied program:
@@ -356,6 +371,7 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
     fixed: dict = {}
     loss = jaxpr.outvars[loss_index]
     loss_region = region(loss)
+    read_in_loss = False  # a parameter read in the loss's region
     params_y = []
     for j, ((x, y), owner) in enumerate(zip(w.param_pairs, param_owners)):
         if owner is None or not _var(y):
@@ -367,10 +383,13 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
             r = region(u)
             if r is not loss_region:
                 fixed.setdefault(r, set()).add(name)
+            else:
+                read_in_loss = True
         params_y.append(y if j not in w.sliced else w.sliced[j])
         fixed[region(x)] = {owner}
     if loss_region is not None:
-        fixed[loss_region] = {ROOT}
+        seeded = not read_in_loss and _left_by_casts(whole, region, loss_region, casts)
+        fixed[loss_region] = {SEED if seeded else ROOT}
 
     # Cotangents flow from each point's y side into its x side.
     sources: dict = {}
@@ -390,8 +409,9 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
                 continue
             cur = anchors.setdefault(r, set())
             before = len(cur)
-            for s in srcs:
-                cur |= anchors.get(s, set())
+            for s in srcs:  # (from the loss's region, seeded or not: the root)
+                got = anchors.get(s, set())
+                cur |= {ROOT} if SEED in got else got
             changed |= len(cur) != before
 
     def of(r) -> tuple[str, ...]:
@@ -432,6 +452,22 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
     stacked = frozenset(param_owners[j] for j in w.sliced)
     scans = {k: n for k, (n, _) in w.scans.items()}
     return Plan(tuple(points), tuple(params), stacked, scans)
+
+
+def _left_by_casts(whole: dict, region, loss_region, casts: frozenset) -> bool:
+    """Whether some point has the loss's region on a side and every such point is a
+    cast of the loss (``casts``) converting from it into another region."""
+    found = False
+    for n, layers in whole.items():
+        for pairs in layers.values():
+            for x, y in pairs:
+                rx, ry = region(x), region(y)
+                if loss_region is not rx and loss_region is not ry:
+                    continue
+                if n not in casts or ry is not loss_region or rx is loss_region:
+                    return False
+                found = True
+    return found
 
 
 def _walked(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None], stacks

@@ -16,6 +16,18 @@ import jax.numpy as jnp
 
 ROOT = ""
 
+# The anchor of the region holding the loss where its cotangent leaves only through the
+# casts of the model's outputs (:func:`adaloss_jax._stream.analyse`): it runs at the
+# loss's seed scale, the root group's scale from the state, while the root's own regions
+# may choose theirs in the backward pass. No state group has this name.
+SEED = "<seed>"
+
+
+def state_group(anchor: str) -> str:
+    """The state group an anchor's statistics count for: :data:`ROOT` for
+    :data:`SEED`, else the anchor itself."""
+    return ROOT if anchor == SEED else anchor
+
 
 def key_name(key: Any) -> str:
     """A pytree key as a path component: a dict key, an attribute or an index."""

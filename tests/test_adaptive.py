@@ -883,19 +883,25 @@ def test_no_step_is_applied_far_below_the_scale_its_statistics_call_for(name, ti
     4-layer MLP with the loss x 2^-12 applied step 0 with 2.6% of its gradient elements
     flushed): every step that is applied flushes at most 1% of the non-zero fp32
     gradient elements more than the scales settled on the same batch do, and every
-    step after the first is applied. At scale 1 the first is far below its scales:
-    skipped."""
+    step after the first is applied. At scale 1 the first is far below its scales and
+    skipped, but per module on the MLP: there every region below the loss's cast
+    chooses its scale in step 0's own backward pass, the root's at the cast (a residual
+    stream's fan-in, resnet's, runs at its groups' planned scales, a stack's layers at
+    the rule's)."""
     steps, retries = _applied_below_settled(name, tiny, groups, retries=0)
     assert steps[-5:] == [1, 2, 3, 4, 5] and retries == 0
+    first = 0 if (name, groups) == ("mlp", "module") else 1
     assert _applied_below_settled(name, tiny, groups, retries=0, initial_scale=1.0) == (
-        [1, 2, 3, 4, 5], 0)
+        list(range(first, 6)), 0)
 
 
 @pytest.mark.parametrize("groups", ["module", "global"])
 def test_with_retries_the_first_step_is_computed_again_and_applied(groups):
     """``retries=4``: the first step, at scale 1, is computed again inside the step at
     the scales its statistics set, and applied, flushing no more than the settled
-    scales do."""
+    scales do (per module it needs no retry: its scales are chosen in its own backward
+    pass)."""
     steps, retries = _applied_below_settled("mlp", 2.0**-12, groups, retries=4,
                                             initial_scale=1.0)
-    assert steps == [0, 1, 2, 3, 4, 5] and retries >= 1
+    assert steps == [0, 1, 2, 3, 4, 5]
+    assert retries == 0 if groups == "module" else retries >= 1

@@ -111,6 +111,32 @@ def test_decode_attributes_rows_to_the_groups_of_both_sides():
     assert float(stats.log2_scales["a"]) == 5.0
 
 
+@pytest.mark.parametrize("sumsq", [False, True])
+def test_decode_reads_the_loss_seed_at_the_roots_planned_scale(sumsq):
+    """A cast's row measured at the loss's seed (the root's planned scale, 2) and
+    converted into the root's region, which chose 12 in the same pass: it counts once
+    for the root, shifted from 2 to 12 and relative to the float16 it narrows to; too
+    large where it goes, it blames the root."""
+    from adaloss_jax._tree import SEED
+
+    cols = _channel.Columns(sumsq=sumsq, hist_lo=None)
+    f32 = float(np.finfo(np.float32).max)
+    rows = [_channel.Row(y=(SEED,), x=("",), y_max=f32, x_max=FP16, wide=True)]
+    used = GroupVector(("", "a"), jnp.asarray([12.0, 5.0]), split=True)
+    planned = GroupVector(("", "a"), jnp.asarray([2.0, 5.0]), split=True)
+    values = [jnp.asarray([8.0, 0.0, 0.0] + ([64.0, 4.0] if sumsq else []))]
+    stats = _channel.decode(rows, values, used, cols, FP16, planned=planned)
+    assert float(stats.amax[""]) == 8.0 * 2.0**10
+    assert float(stats.amax["a"]) == 0.0
+    assert not bool(stats.bad[""])
+    if sumsq:
+        assert float(stats.sumsq[""]) == 64.0 * 2.0**20
+        assert float(stats.count[""]) == 4.0  # once, though both sides are the root's
+    values = [jnp.asarray([8.0, 0.0, 1.0] + ([64.0, 4.0] if sumsq else []))]
+    stats = _channel.decode(rows, values, used, cols, FP16, planned=planned)
+    assert bool(stats.bad[""]) and not bool(stats.bad["a"])
+
+
 @pytest.mark.parametrize("sumsq,hist", [(False, False), (True, False), (True, True)])
 def test_columns(sumsq, hist):
     cols = _channel.Columns(sumsq=sumsq, hist_lo=-30 if hist else None)

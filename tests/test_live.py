@@ -931,9 +931,12 @@ def test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_only_step_0(scan
 def test_the_root_is_measured_before_the_loss_casts_its_cotangent_down(grad_dtype):
     """A loss x 2^-30 (below the bench's tiny regime): at scale 1 the logits' cotangent
     flushes where the loss casts it down to float16, before any module's point sees it.
-    A point on the cast's float32 side measures it there, so the root's statistics
-    after step 0 hold the fp32 amax of d loss / d logits, and only step 0 is skipped
-    (measuring nothing, the root jumped blind and step 1 was skipped too)."""
+    A point on the cast's float32 side measures it there and converts it from the
+    loss's seed scale (1) to the one the root chooses from it in the same backward pass,
+    so the root's statistics after step 0 hold the fp32 amax of d loss / d logits (to
+    fp16's rounding) and no step is skipped (measured but run at the seed scale below
+    the cast, step 0 was skipped; measuring nothing, the root jumped blind and step 1
+    was skipped too)."""
     from adaloss_jax.flax import TrainState, linen_train_step
 
     model = _models.MLP(depth=3, width=32)
@@ -959,10 +962,10 @@ def test_the_root_is_measured_before_the_loss_casts_its_cotangent_down(grad_dtyp
             logits = model.apply({"params": params}, x)
             want = jnp.log2(jnp.max(jnp.abs(jax.grad(tiny)(logits.astype(jnp.float32)))))
             assert float(want) < -25  # below fp16's smallest subnormal: flushed at the cast
-            assert float(st.log2_amax[""]) == pytest.approx(float(want), abs=1e-5)
+            assert float(st.log2_amax[""]) == pytest.approx(float(want), abs=1e-3)
         if not bool(st.last_applied):
             skipped.append(i)
-    assert skipped == [0]
+    assert skipped == []
 
 
 def _chunked(ce, chunks=4):
@@ -1013,10 +1016,14 @@ def test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows(wrap
     chunk in a ``scan``, per device in a ``shard_map`` or in a ``cond``'s branch: the
     cast sits inside a nested
     equation, and its point goes there (one per branch). The root's statistics after
-    step 0 hold the fp32 amax at the cast, and only step 0 is skipped (with no point
-    inside, the root measured nothing, jumped blind, and step 1 was skipped too; a
-    branch not taken, whose row stays zero, starved the root, held its jump below its
-    statistics, and step 1 was refused as computed too low)."""
+    step 0 hold the fp32 amax at the cast. Where the cast and the model's points run in
+    one scope (a nested ``jit`` is inlined; one checkpoint body around the whole loss)
+    the root chooses its scale at the cast in step 0's backward pass, and no step is
+    skipped; where the cast runs per chunk, per device or per branch, the root's
+    regions keep the planned scale and only step 0 is skipped (with no point inside,
+    the root measured nothing, jumped blind, and step 1 was skipped too; a branch not
+    taken, whose row stays zero, starved the root, held its jump below its statistics,
+    and step 1 was refused as computed too low)."""
     from adaloss_jax.flax import TrainState, linen_train_step
 
     model = _models.MLP(depth=3, width=32)
@@ -1049,10 +1056,10 @@ def test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows(wrap
         state, _ = step(state)
         st = alj.scale_state(state)
         if i == 0:
-            assert float(st.log2_amax[""]) == pytest.approx(want, abs=1e-5)
+            assert float(st.log2_amax[""]) == pytest.approx(want, abs=1e-3)
         if not bool(st.last_applied):
             skipped.append(i)
-    assert skipped == [0]
+    assert skipped == ([] if wrap in ("jit", "jit-ce", "remat") else [0])
 
 
 def test_one_jitted_cross_entropy_called_twice_gets_a_point_per_call_and_stays_exact():
@@ -1116,6 +1123,90 @@ def test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact(wrap)
                                  dict(zip(groups, [5, -3, 9, 0, 12])))
     got, _, _ = step(state, params, x, y)
     assert_fp32_trees_close(got, jax.jit(jax.grad(loss_of(m32)))(params, x, y))
+
+
+_seed_a = alj.scale_group("seed_a")(lambda p, x: jnp.tanh(x @ p["w"].astype(x.dtype)))
+_seed_b = alj.scale_group("seed_b")(lambda p, x: x @ p["w"].astype(x.dtype))
+_SEED_PARAMS = {"seed_a": {"w": jax.random.normal(jax.random.key(5), (16, 32)) / 4},
+                "seed_b": {"w": jax.random.normal(jax.random.key(6), (32, 4)) / 4},
+                "bias": jnp.full((32,), 0.1), "shift": jnp.full((4,), 0.2),
+                "temp": jnp.float32(1.5)}
+_SEED_X = jax.random.normal(jax.random.key(7), (64, 16))
+_SEED_Y = jax.random.randint(jax.random.key(8), (64,), 0, 4)
+
+
+def _seed_loss(dtype, variant, tiny=1.0):
+    """Two groups and a parameter of the root's own (``shift``) added to their output,
+    rounded to float16 (a no-op for an fp16 model) and cast to float32 for the
+    cross-entropy. ``variant``: ``"cast"``, the loss reads only that cast;
+    ``"entered"``, another root parameter (``bias``) is added between the groups (as a
+    GPT's position embedding: the root is entered there too); ``"direct"``, it adds
+    the cross-entropy to an element of the float16 output in float16 (its region then
+    holds float16 values, the output's among them); ``"param"``, the root's ``temp``
+    divides the float32 logits (a parameter read in the loss's region); ``"fp16"``, a
+    sum of squares in float16 (no cast)."""
+    def loss(p, x, y):
+        h = _seed_a(p["seed_a"], x.astype(dtype))
+        if variant == "entered":
+            h = h + p["bias"].astype(dtype)
+        out = (_seed_b(p["seed_b"], h) + p["shift"].astype(dtype)).astype(jnp.float16)
+        if variant == "fp16":  # (a reduction jnp would not widen)
+            return jax.lax.reduce(jnp.square(out - 1.0), np.float16(0), jax.lax.add,
+                                  (0, 1)) * jnp.float16(tiny)
+        logits = out.astype(jnp.float32)
+        if variant == "param":
+            logits = logits / p["temp"]
+        ce = optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        if variant == "direct":
+            return (ce * tiny).astype(jnp.float16) + out[0, 0] * jnp.float16(2.0**-10)
+        return ce * tiny
+    return loss
+
+
+@pytest.mark.parametrize("variant", ["cast", "entered", "direct", "param", "fp16"])
+def test_the_loss_seed_is_the_root_scale_only_where_the_cast_is_the_way_out(variant):
+    """The loss's region runs at the seed scale (the root's planned one). Where its
+    cotangent leaves it only through the cast, measured in float32 there, the cast point
+    converts from the seed to the root's scale, which the root chooses there in the
+    same backward pass (the cast's float16 side holds it, and ``shift``'s gradient),
+    unless the root is entered elsewhere too (its scale then stays the rule's: the
+    cast never sees what enters there); where the loss's region also holds float16
+    values or reads a parameter, it stays the root's. In fp32, at arbitrary scales (the
+    seed among them), the gradients are exact either way; and from scale 1 with the
+    loss x 2^-30 (all of it flushed at the seed scale; x 2^-20 in float16, partly),
+    step 0 is applied only where the root chose."""
+    from adaloss_jax._tree import SEED
+
+    scaler = alj.adaptive(groups="module", compute_dtype="float16")
+    _, program, groups = _grad_trace(_seed_loss(jnp.float16, variant), scaler,
+                                     _SEED_PARAMS, _SEED_X, _SEED_Y)
+    assert groups == ["", "seed_a", "seed_b"]
+    casts = [s for s in program.sites() if s.row.wide]
+    seeded = variant in ("cast", "entered")
+    assert [(s.pair, s.cfg.convert) for s in casts] == (
+        [] if variant == "fp16" else [((("",), (SEED,)), True)] if seeded
+        else [((("",), ("",)), False)])
+    assert ("" in program.live.groups) == (variant == "cast")
+    assert any(SEED in side for pair in program.pairs() for side in pair) == seeded
+
+    loss32 = _seed_loss(jnp.float32, variant)
+    step, state = _grads_through(scaler, loss32, _SEED_PARAMS, (_SEED_X, _SEED_Y),
+                                 {"": 7, "seed_a": -3, "seed_b": 11})
+    got, _, _ = step(state, _SEED_PARAMS, _SEED_X, _SEED_Y)
+    assert_fp32_trees_close(got, jax.jit(jax.grad(loss32))(_SEED_PARAMS, _SEED_X, _SEED_Y))
+
+    tx = optax.chain(alj.adaptive_unscale(alj.adaptive(groups="module", retries=0,
+                                                       initial_scale=1.0)),
+                     alj.skip_nonfinite(optax.sgd(0.0)))
+    state = tx.init(_SEED_PARAMS)
+    vg = alj.adaptive_value_and_grad(_seed_loss(
+        jnp.float16, variant, tiny=2.0**-20 if variant == "fp16" else 2.0**-30))
+    loss, grads, stats = jax.jit(vg)(state, _SEED_PARAMS, _SEED_X, _SEED_Y)
+    _, state = tx.update(grads, state, _SEED_PARAMS, loss=loss, scale_stats=stats)
+    assert bool(state[0].last_applied) == (variant == "cast")
+    if variant == "cast":  # the root chose: the cast converted before it narrowed
+        assert float(stats.log2_scales[""]) > 30
+        assert not any(bool(stats.starved[g]) for g in stats.starved.names)
 
 
 def test_a_cast_of_a_scan_carry_computed_after_a_point_is_found():
@@ -1193,9 +1284,12 @@ def test_the_loss_cast_is_measured_around_every_transformation(around, chunks):
     """The model under vmap, remat, a nested jit, cond or shard_map (typed or not), its
     fp16 output cast to float32 by the loss (x 2^-30: at scale 1 it all flushes in the
     cast), whole or chunk by chunk in a ``scan``: the root's statistics of the first
-    pass are the fp32 amax of the loss's cotangent at the cast, however the model is
-    wrapped; and every module, which received only zeros computed from it, is starved
-    and told that value (lost_amax), which the rule keeps from flushing again."""
+    pass are the fp32 amax of the loss's cotangent at the cast (to fp16's rounding),
+    however the model is wrapped. Where the root chooses its scale at the cast (one
+    cast, in the scope of the model's points: none, vmap and jit around the model)
+    the cotangent is converted before it narrows and no module is starved; elsewhere
+    every module, which received only zeros computed from it, is starved and told that
+    value (lost_amax), which the rule keeps from flushing again."""
     tiny = 2.0**-30
     scaler = alj.adaptive(groups="module", retries=0, initial_scale=1.0)
     case = build("jax", around, "none", jnp.float16, scaler, tiny=tiny, chunks=chunks)
@@ -1205,8 +1299,13 @@ def test_the_loss_cast_is_measured_around_every_transformation(around, chunks):
     ct = jax.grad(lambda o: jnp.mean(o**2) * tiny)(out.astype(jnp.float32))
     want = float(jnp.log2(jnp.max(jnp.abs(ct))))
     assert want < -25  # below fp16's smallest subnormal: lost in the cast
-    assert float(jnp.log2(stats.amax[""])) == pytest.approx(want, abs=1e-5)
+    at_unit = jnp.log2(stats.amax[""]) - stats.log2_scales[""]  # (the root's chosen)
+    assert float(at_unit) == pytest.approx(want, abs=1e-3)
     modules = [g for g in stats.starved.names if g]
-    assert modules and all(bool(stats.starved[g]) for g in modules)
+    assert modules
+    if chunks is None and around in ("none", "vmap", "jit"):
+        assert not any(bool(stats.starved[g]) for g in stats.starved.names)
+        return
+    assert all(bool(stats.starved[g]) for g in modules)
     assert [float(stats.lost_amax[g]) for g in stats.lost_amax.names] == pytest.approx(
         [want] * len(stats.lost_amax.names), abs=1e-5)

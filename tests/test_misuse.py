@@ -328,16 +328,18 @@ def test_an_adaptive_scaler_on_a_wide_model_turns_itself_off(dtype):
 
 def test_compute_dtype_decides_over_what_the_trace_shows():
     """``compute_dtype`` as ``dynamic()``'s: bf16 turns scaling off on an fp16 model too
-    (step 0 applied at scale 1); float16 keeps it on (step 0, at scale 1 far below what
-    its statistics call for, skipped, or with retries computed again and applied)."""
+    (step 0 applied at scale 1); float16 keeps it on (step 0 at scale 1 far below what
+    its statistics call for: with the delayed rule skipped, or with retries computed
+    again and applied; with same-step scales chosen in its backward pass and
+    applied)."""
     for compute_dtype, on in (("bfloat16", False), ("float16", True)):
-        for retries in (0, 4):
+        for retries, same_step in ((0, False), (4, False), (0, True)):
             tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(
                 groups="module", compute_dtype=compute_dtype, retries=retries,
-                initial_scale=1.0))
+                initial_scale=1.0, same_step=same_step))
             _, state = _step(tx)(PARAMS, tx.init(PARAMS))
             st = alj.scale_state(state)
-            assert bool(st.last_applied) == (not on or retries > 0)
+            assert bool(st.last_applied) == (not on or retries > 0 or same_step)
             assert (int(st.total_retries) > 0) == (on and retries > 0)
             assert (max(alj.diagnostics.scale_summary(state)["log2_group_scales"].values())
                     > 0) == on
@@ -395,12 +397,13 @@ def test_a_scale_group_above_nested_parameters_is_one_group():
 
 
 def test_the_status_line_says_applied_scales_skips_and_health():
-    tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module", retries=0,
-                                                          initial_scale=1.0))
+    tx = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(
+        groups="module", retries=0, initial_scale=1.0, same_step=False))
     state = tx.init(PARAMS)
     line = alj.diagnostics.status_line(state)
     assert line.startswith("applied | scale 2^0 (2 groups) | skipped 0/0, 0 in a row")
-    params, state = _step(tx)(PARAMS, state)  # step 0 at scale 1, skipped, scales set
+    # step 0 at scale 1 (the delayed rule's: the step is not rescaled), skipped, scales set
+    params, state = _step(tx)(PARAMS, state)
     line = alj.diagnostics.status_line(state)
     lo = min(v for g, v in alj.diagnostics.scale_summary(state)["log2_group_scales"].items() if g)
     hi = max(v for g, v in alj.diagnostics.scale_summary(state)["log2_group_scales"].items() if g)

@@ -37,7 +37,7 @@ import jax.numpy as jnp
 from adaloss_jax import _formats
 from adaloss_jax._layout import GroupVector
 from adaloss_jax._state import ScaleStats
-from adaloss_jax._tree import ROOT, SEED
+from adaloss_jax._tree import SEED, state_group
 
 _AMAX, _BAD_Y, _BAD_X, _SUMSQ, _COUNT = range(5)
 _MAXED = 3  # the first three columns reduce by max, the rest by sum
@@ -295,7 +295,7 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     groups = used.names
     log2 = used.array
     gi = {g: i for i, g in enumerate(groups)}
-    gi[SEED] = gi.get(ROOT)  # (the loss's seed: counts for the root, at its planned scale)
+    gi[SEED] = gi.get(state_group(SEED))  # (counts for the root, at its planned scale)
     ng = len(groups)
     z = jnp.zeros((ng,), jnp.float32)
     vec = lambda v: GroupVector(groups, v)

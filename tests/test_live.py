@@ -1209,6 +1209,43 @@ def test_the_loss_seed_is_the_root_scale_only_where_the_cast_is_the_way_out(vari
         assert not any(bool(stats.starved[g]) for g in stats.starved.names)
 
 
+@pytest.mark.parametrize("wrap", ["jit", "remat", "vmap"])
+def test_the_root_decided_at_the_cast_holds_under_transformations(wrap):
+    """The ``"cast"`` loss above jitted whole, under ``jax.checkpoint``, or with the
+    model mapped row by row by ``jax.vmap``: the cast still converts from the seed and
+    the root still decides there, and an fp32 model's gradients at arbitrary scales
+    (the seed among them) are jax.grad's."""
+    from adaloss_jax._tree import SEED
+
+    def wrapped(dtype):
+        loss = _seed_loss(dtype, "cast")
+        if wrap == "jit":
+            return jax.jit(loss)
+        if wrap == "remat":
+            return jax.checkpoint(loss)
+
+        def mapped(p, x, y):  # the model per row, the loss on the stacked output
+            def row(xr):
+                h = _seed_a(p["seed_a"], xr.astype(dtype))
+                return (_seed_b(p["seed_b"], h) + p["shift"].astype(dtype)).astype(
+                    jnp.float16)
+            logits = jax.vmap(row)(x).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, y).mean()
+        return mapped
+
+    scaler = alj.adaptive(groups="module", compute_dtype="float16")
+    _, program, _ = _grad_trace(wrapped(jnp.float16), scaler, _SEED_PARAMS, _SEED_X,
+                                _SEED_Y)
+    assert [(s.pair, s.cfg.convert) for s in program.sites() if s.row.wide] == [
+        ((("",), (SEED,)), True)]
+    assert "" in program.live.groups
+    loss32 = wrapped(jnp.float32)
+    step, state = _grads_through(scaler, loss32, _SEED_PARAMS, (_SEED_X, _SEED_Y),
+                                 {"": 7, "seed_a": -3, "seed_b": 11})
+    got, _, _ = step(state, _SEED_PARAMS, _SEED_X, _SEED_Y)
+    assert_fp32_trees_close(got, jax.jit(jax.grad(loss32))(_SEED_PARAMS, _SEED_X, _SEED_Y))
+
+
 def test_a_cast_of_a_scan_carry_computed_after_a_point_is_found():
     """The cast reads the scan's carry, which starts as data (zeros) and becomes the
     model's output only from the second iteration on: it is found by walking the body

@@ -10,12 +10,13 @@ backward pass can set its scale where the cotangent enters it::
     border of g   = the other converting points with (g,) on a side (the other entries
                     included), and the parameter conversions into or out of (g,)
     live          = g is no stack slot, nor the root where it anchors the loss's region
-                    (whose scale is the loss's seed: the root is live only where that
-                    region is the seed's, :data:`~adaloss_jax._tree.SEED`, left only
-                    through casts, and its every entry is such a cast, its decider the
-                    one last in the forward order: a root entered elsewhere, such as a
-                    GPT's position embedding read on the residual stream, holds values
-                    the casts never see), and its decider and whole border sit
+                    (no cotangent enters that region: it starts from the loss's seed;
+                    the root is live where that region is the seed's,
+                    :data:`~adaloss_jax._tree.SEED`, left only through casts: its
+                    entries are then those casts and any other way into it, such as a
+                    GPT's position embedding read on the residual stream, and it
+                    decides at the last of them in the forward order, as a module
+                    called twice), and its decider and whole border sit
                     in one scope of the recorded program (its top level with nested jits
                     inlined, or one checkpoint body or cond branch), each met once (not
                     inside a scan or shard_map of the loss: there a point's backward
@@ -268,8 +269,8 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
     live: dict[str, tuple] = {}
     for g, keys in entries.items():
         one_layer = isinstance(g, Layer) and g.index is not None  # (not a body's symbol)
-        if g == ROOT and not (root and all(y == (SEED,) for _, (_, y) in keys)):
-            continue  # (the loss's region, or entered where no cast measures)
+        if g == ROOT and not root:
+            continue  # (the loss's region: no cotangent enters it)
         if g in unfit or g in stacked or one_layer:
             continue
         rest = keys + border.get(g, [])

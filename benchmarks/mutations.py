@@ -128,16 +128,16 @@ MUTATIONS = {
         "the loss's cast measures but never converts from the seed: the root never decides"),
     "root-never-live": (
         "adaloss_jax/_live.py",
-        "        if g == ROOT and not (root and all(y == (SEED,) for _, (_, y) in keys)):",
+        "        if g == ROOT and not root:",
         "        if g == ROOT:",
         ["tests/test_live.py"],
         "the root's regions below the loss's cast keep the planned scale (step 0 skipped)"),
-    "root-live-when-entered-elsewhere": (
+    "root-not-live-when-entered-elsewhere": (
         "adaloss_jax/_live.py",
-        "        if g == ROOT and not (root and all(y == (SEED,) for _, (_, y) in keys)):",
         "        if g == ROOT and not root:",
+        "        if g == ROOT and not (root and all(y == (SEED,) for _, (_, y) in keys)):",
         ["tests/test_live.py"],
-        "a root entered elsewhere too (a position embedding) decides at the cast alone"),
+        "a root entered elsewhere too (a position embedding) keeps the rule's scale"),
     "loss-seed-at-roots-choice": (
         "adaloss_jax/_channel.py",
         "        single = jnp.asarray([len(a) == 1 and a[0] != SEED for a in sets])",

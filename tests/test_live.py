@@ -1171,8 +1171,9 @@ def test_the_loss_seed_is_the_root_scale_only_where_the_cast_is_the_way_out(vari
     loss's region, chooses that scale in the same backward pass like a module, at the
     last of its ways in, the cast (the cast's float16 side holds it, and ``shift``'s
     gradient), though it is entered elsewhere too (``bias``'s gradient, on the stream:
-    what enters there is bounded by the rule's scale once measured). Where the loss's region also holds float16 values
-    or reads a parameter, it stays the root's, which keeps the rule's scale. In fp32,
+    what enters there is bounded by the rule's scale once measured). Where the loss's
+    region also holds float16 values or reads a parameter, it stays the root's, which
+    keeps the rule's scale. In fp32,
     at arbitrary scales (the seed among them), the gradients are exact either way; and
     from scale 1 with the loss x 2^-30 (all of it flushed at the seed scale; x 2^-20
     in float16, partly), step 0 is applied only where the root chose."""

@@ -5,8 +5,8 @@ statistics and any skipped step is the scale rule's doing:
 
 - ``attn5``: five blocks of LayerNorm -> qkv Dense -> softmax attention -> Dense with a
   residual, fp16 compute, width 32, batch 1024 x 8 tokens, a Dense head;
-- ``gpt6`` / ``gpt6-scan``: the bench's byte GPT with 6 blocks (unrolled, or one
-  ``nn.scan``), batch 16 x 63 bytes;
+- ``gpt6`` / ``gpt6-scan``: the bench's byte GPT with 6 blocks (``--gpt-layers``;
+  unrolled, or one ``nn.scan``), batch 16 x 63 bytes;
 - models no issue named, for a sweep (``--tasks cnn,deepsig,tied,residual``): ``cnn``
   (two convolutions, a LayerNorm, two Dense), ``deepsig`` (ten sigmoid Dense layers),
   ``tied`` (3 pre-norm MLP blocks on token embeddings, the embedding also the output
@@ -106,7 +106,7 @@ _SWEEP = {"cnn": _CNN, "deepsig": _DeepSigmoid, "residual": _Residual}
 TASKS = ("attn5", "gpt6", "gpt6-scan", "tied", *_SWEEP)
 
 
-def _task(name, loss_log2=0, loss_in="top", reduce="mean"):
+def _task(name, loss_log2=0, loss_in="top", reduce="mean", gpt_layers=6):
     key = jax.random.key
     if name == "attn5":
         model = Attn5()
@@ -121,7 +121,7 @@ def _task(name, loss_log2=0, loss_in="top", reduce="mean"):
         x = jax.random.normal(key(0), (64, 12, 12, 1))
         y = jax.random.randint(key(1), (64,), 0, 10)
     else:
-        model = GPT(layers=6, scan=name.endswith("scan"))
+        model = GPT(layers=gpt_layers, scan=name.endswith("scan"))
         tokens = jax.random.randint(key(0), (16, 64), 0, 256)
         x, y = tokens[:, :-1], tokens[:, 1:]
     params = model.init(key(2), x)["params"]
@@ -177,8 +177,8 @@ LOSS_IN = ("top", *_LOSS_WRAPS, *_CE_WRAPS)
 
 
 def run(name, groups, dtype, steps, retries, same_step=None, loss_log2=0, loss_in="top",
-        reduce="mean"):
-    model, params, loss_fn, x, y = _task(name, loss_log2, loss_in, reduce)
+        reduce="mean", gpt_layers=6):
+    model, params, loss_fn, x, y = _task(name, loss_log2, loss_in, reduce, gpt_layers)
     scaler = alj.adaptive(groups=groups, grad_dtype=dtype, simulate=dtype != "float16",
                           retries=retries, same_step=same_step)
     state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
@@ -210,6 +210,8 @@ def main(argv=None):
                     help="per module: every scale the rule's, from the steps before "
                          "(same_step=False; the default chooses them in the backward pass)")
     ap.add_argument("--groups", default="module,global")
+    ap.add_argument("--gpt-layers", type=int, default=6,
+                    help="blocks of the gpt6 / gpt6-scan tasks' GPT")
     ap.add_argument("--loss-log2", type=int, default=0,
                     help="multiply the loss by 2**this (-20: the bench's tiny regime)")
     ap.add_argument("--loss-in", default="top", choices=LOSS_IN,
@@ -230,7 +232,7 @@ def main(argv=None):
                 skipped, retries, root, moved = run(
                     name, groups, dtype, args.steps, args.retries,
                     False if args.delayed else None, args.loss_log2, args.loss_in,
-                    args.reduce)
+                    args.reduce, args.gpt_layers)
                 which = ",".join(map(str, skipped[:12])) + ("..." if len(skipped) > 12 else "")
                 print(f"{name:<10} {dtype:<14} {groups:<7} {len(skipped):>7}  {retries:>7}  "
                       f"{root:>5.0f}  {moved:>5.0f}  {which or '-'}", flush=True)

@@ -64,6 +64,7 @@ def test_cli_end_to_end_and_resume(small_gpt, tmp_path, capsys):
     ada = rows["fp16-ada-module"]
     assert all(ada["applied_curve"])
     assert ada["retried"] == 0 and ada["skipped"] == 0
+    assert ada["probes"][0]["underflow"] < 1e-3  # (step 0 is applied at its chosen scales)
     assert ada["probes"][-1]["underflow"] < 0.5
     assert ada["final_underflow"] < 0.5
     assert len(ada["group_log2_scales"]) > 1 and ada["final_log2_scale"] > 20

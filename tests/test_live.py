@@ -1173,10 +1173,10 @@ def test_the_loss_seed_is_the_root_scale_only_where_the_cast_is_the_way_out(vari
     gradient), though it is entered elsewhere too (``bias``'s gradient, on the stream:
     what enters there is bounded by the rule's scale once measured). Where the loss's
     region also holds float16 values or reads a parameter, it stays the root's, which
-    keeps the rule's scale. In fp32,
-    at arbitrary scales (the seed among them), the gradients are exact either way; and
-    from scale 1 with the loss x 2^-30 (all of it flushed at the seed scale; x 2^-20
-    in float16, partly), step 0 is applied only where the root chose."""
+    keeps the rule's scale. In fp32, at arbitrary scales (the seed among them), the
+    gradients are exact either way; and from scale 1 with the loss x 2^-30 (all of it
+    flushed at the seed scale; x 2^-20 in float16, partly), step 0 is applied only
+    where the root chose."""
     from adaloss_jax._tree import SEED
 
     scaler = alj.adaptive(groups="module", compute_dtype="float16")
@@ -1211,16 +1211,17 @@ def test_the_loss_seed_is_the_root_scale_only_where_the_cast_is_the_way_out(vari
         assert not any(bool(stats.starved[g]) for g in stats.starved.names)
 
 
+@pytest.mark.parametrize("variant", ["cast", "entered"])
 @pytest.mark.parametrize("wrap", ["jit", "remat", "vmap"])
-def test_the_root_decided_at_the_cast_holds_under_transformations(wrap):
-    """The ``"cast"`` loss above jitted whole, under ``jax.checkpoint``, or with the
-    model mapped row by row by ``jax.vmap``: the cast still converts from the seed and
-    the root still decides there, and an fp32 model's gradients at arbitrary scales
-    (the seed among them) are jax.grad's."""
+def test_the_root_decided_at_the_cast_holds_under_transformations(wrap, variant):
+    """The ``"cast"`` and ``"entered"`` losses above jitted whole, under
+    ``jax.checkpoint``, or with the model mapped row by row by ``jax.vmap``: the cast
+    still converts from the seed and the root still decides there, and an fp32 model's
+    gradients at arbitrary scales (the seed among them) are jax.grad's."""
     from adaloss_jax._tree import SEED
 
     def wrapped(dtype):
-        loss = _seed_loss(dtype, "cast")
+        loss = _seed_loss(dtype, variant)
         if wrap == "jit":
             return jax.jit(loss)
         if wrap == "remat":
@@ -1229,6 +1230,8 @@ def test_the_root_decided_at_the_cast_holds_under_transformations(wrap):
         def mapped(p, x, y):  # the model per row, the loss on the stacked output
             def row(xr):
                 h = _seed_a(p["seed_a"], xr.astype(dtype))
+                if variant == "entered":
+                    h = h + p["bias"].astype(dtype)
                 return (_seed_b(p["seed_b"], h) + p["shift"].astype(dtype)).astype(
                     jnp.float16)
             logits = jax.vmap(row)(x).astype(jnp.float32)

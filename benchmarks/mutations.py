@@ -27,37 +27,37 @@ MUTATIONS = {
         "adaloss_jax/_channel.py",
         "        amax = jax.lax.pmax(amax, axes)",
         "        amax = amax",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "same-step deciders choose per device, not over the devices sharing the gradient"),
     "same-step-prior-ignored": (
         "adaloss_jax/_channel.py",
         "    s = jnp.minimum(jnp.floor(cfg.target - (jnp.log2(amax) - ly)) - headroom, prior)",
         "    s = jnp.floor(cfg.target - (jnp.log2(amax) - ly)) - headroom",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a same-step choice rises above the rule's scale (its back-off, the growth seen)"),
     "same-step-arrival-token-ignored": (
         "adaloss_jax/_channel.py",
         "    ly = base[1] if cfg.y_token is None else base[1] + emitted[cfg.y_token]",
         "    ly = base[1]",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a point reads the planned scale of its consumer side where that region decided"),
     "same-step-exit-token-ignored": (
         "adaloss_jax/_channel.py",
         "        lx = base[0] if cfg.x_token is None else base[0] + emitted[cfg.x_token]",
         "        lx = base[0]",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a point converts into a region that decided at the region's planned scale"),
     "same-step-chain-carry-dropped": (
         "adaloss_jax/_apply.py",
         "carried = [sum(ctx.tokens.pop(_live.CHAIN_Y), jnp.zeros((), jnp.float32))]",
         "carried = [jnp.zeros((), jnp.float32)]",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a scanned chain's layer reads the next layer's planned scale, not its choice"),
     "same-step-layer-regions-planned": (
         "adaloss_jax/_live.py",
         "            found = _inside(scan, every, params, counts)",
         "            found = None",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the regions inside a scanned layer keep the plan instead of deciding"),
     "max-as-sum": (
         "adaloss_jax/_channel.py",
@@ -124,19 +124,19 @@ MUTATIONS = {
         "adaloss_jax/_apply.py",
         "self.columns, convert=xa != ya, measure=True, y_max=y_max, x_max=lim),",
         "self.columns, convert=False, measure=True, y_max=y_max, x_max=lim),",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the loss's cast measures but never converts from the seed: the root never decides"),
     "root-never-live": (
         "adaloss_jax/_live.py",
         "        if g == ROOT and not root:",
         "        if g == ROOT:",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the root's regions below the loss's cast keep the planned scale (step 0 skipped)"),
     "root-not-live-when-entered-elsewhere": (
         "adaloss_jax/_live.py",
         "        if g == ROOT and not root:",
         "        if g == ROOT and not (root and all(y == (SEED,) for _, (_, y) in keys)):",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a root entered elsewhere too (a position embedding) keeps the rule's scale"),
     "loss-seed-at-roots-choice": (
         "adaloss_jax/_channel.py",
@@ -148,19 +148,19 @@ MUTATIONS = {
         "adaloss_jax/_stream.py",
         "                cur |= {ROOT} if SEED in got else got",
         "                cur |= got",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the regions below the loss's cast run at the seed, not the root's scale"),
     "loss-seed-with-a-parameter": (
         "adaloss_jax/_stream.py",
         "        seeded = not read_in_loss and _left_by_casts(whole, region, loss_region, casts)",
         "        seeded = _left_by_casts(whole, region, loss_region, casts)",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a parameter read in the loss's region runs at the seed, unscaled at the root's"),
     "loss-seed-left-by-any-point": (
         "adaloss_jax/_stream.py",
         "                if n not in casts or ry is not loss_region or rx is loss_region:",
         "                if rx is loss_region:",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a loss region holding narrow values runs at the seed, its rise never checked"),
     "starved-peak-recorded": (
         "adaloss_jax/_rule.py",
@@ -197,21 +197,22 @@ MUTATIONS = {
         "adaloss_jax/_channel.py",
         "    reserve = min(first_reserve(cts), cfg.reserve)",
         "    reserve = 0.0",
-        ["tests/test_live.py", "tests/test_channel.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py",
+         "tests/test_channel.py"],
         "a first same-step choice keeps no room for its kernel gradient's sum over rows: "
         "step 1 overflows it"),
     "root-cast-unmeasured": (
         "adaloss_jax/_grad.py",
         "    casts = _jaxpr.widening_casts(jaxpr, narrow)",
         "    casts = []",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the root's cotangent is measured only after the loss casts it down: in the tiny "
         "regime it flushes there, the root jumps blind, and step 1 is skipped too"),
     "nested-loss-cast-unmeasured": (
         "adaloss_jax/_jaxpr.py",
         "        bodies = (cast_bodies(eqn) if kind in",
         "        bodies = ([] if kind in",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a loss jitted whole (or its cross-entropy jitted, or the loss under "
         "jax.checkpoint) gets no point at its cast: in the tiny regime the root measures "
         "nothing, jumps blind, and step 1 is skipped too"),
@@ -226,7 +227,7 @@ MUTATIONS = {
         "adaloss_jax/_adaptive_scaler.py",
         '2.0**15 if fmt.name == "float16" else 1.0)',
         "1.0)",
-        ["tests/test_live.py::test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_nothing",
+        ["tests/test_live_warmup.py::test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_nothing",
          "tests/test_diagnostics.py::test_a_global_state_is_one_row_and_reads_like_an_adaptive_one"],
         "fp16 starts at scale 1: the root's step 0 far below its scale, skipped (the "
         "front ends' small MLPs apply it from 1 as well)"),
@@ -234,15 +235,15 @@ MUTATIONS = {
         "adaloss_jax/_adaptive_scaler.py",
         '            object.__setattr__(self, "max_rise", 16 if fmt.name == "float16"',
         '            object.__setattr__(self, "max_rise", 5 if fmt.name == "float16"',
-        ["tests/test_live.py::test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_nothing"],
+        ["tests/test_live_warmup.py::test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_nothing"],
         "fp16 per module keeps max_rise 5: a first choice's room for its kernel sums is "
         "capped at 5 binades, and the head's overflows at step 0"),
     "scanned-loss-cast-unmeasured": (
         "adaloss_jax/_jaxpr.py",
         '    if eqn.primitive.name == "scan" and isinstance(inner, jcore.ClosedJaxpr):',
         "    if False and isinstance(inner, jcore.ClosedJaxpr):",
-        ["tests/test_live.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows",
-         "tests/test_live.py::test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact"],
+        ["tests/test_live_warmup.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows",
+         "tests/test_live_warmup.py::test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact"],
         "a cross-entropy computed chunk by chunk in a scan gets no point at its cast: in "
         "the tiny regime the root measures nothing, jumps blind, and step 1 is skipped "
         "too"),
@@ -250,8 +251,8 @@ MUTATIONS = {
         "adaloss_jax/_jaxpr.py",
         '    if (eqn.primitive.name == "shard_map" and isinstance(inner, jcore.Jaxpr)',
         "    if (False and isinstance(inner, jcore.Jaxpr)",
-        ["tests/test_live.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows",
-         "tests/test_live.py::test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact"],
+        ["tests/test_live_warmup.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows",
+         "tests/test_live_warmup.py::test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact"],
         "a cross-entropy computed per device in a shard_map gets no point at its cast: in "
         "the tiny regime the root measures nothing, jumps blind, and step 1 is skipped "
         "too"),
@@ -260,7 +261,7 @@ MUTATIONS = {
         "    zero = (amax_r == 0) & ~_untaken(rows, amax_r)",
         "    zero = amax_r == 0",
         ["tests/test_channel.py::test_a_cond_branch_not_taken_starves_nothing",
-         "tests/test_live.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows"],
+         "tests/test_live_warmup.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows"],
         "a cond's branch not taken (its row of zeros) starves its groups: a loss casting "
         "in both branches holds the root's jump below its statistics, and step 1 is "
         "refused"),
@@ -269,20 +270,20 @@ MUTATIONS = {
         "    return jnp.asarray([r.branch is not None for r in rows]) & seen[idx]",
         "    return jnp.asarray([r.branch is not None for r in rows])",
         ["tests/test_channel.py::test_a_cond_branch_not_taken_starves_nothing",
-         "tests/test_live.py::test_the_loss_cast_is_measured_around_every_transformation"],
+         "tests/test_live_warmup.py::test_the_loss_cast_is_measured_around_every_transformation"],
         "zeros that arrived in a cond's taken branch starve nothing (taken for a branch "
         "not taken): the modules there lose what was lost upstream"),
     "every-cast-measured": (
         "adaloss_jax/_grad.py",
         "    return _record.mark_casts(rec, [i for i, k in zip(casts, inside) if k])",
         "    return _record.mark_casts(rec, casts)",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "casts inside modules (a LayerNorm's, attention scores') get a root point too"),
     "wide-row-counted-as-stored": (
         "adaloss_jax/_channel.py",
         "        stored_in = jnp.asarray([r.x_max == fmt_max and not r.wide for r in rows])",
         "        stored_in = jnp.asarray([r.x_max == fmt_max for r in rows])",
-        ["tests/test_live.py"],
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the root's fp32 measurement before the cast is taken for a value flushed where "
         "it is stored: the root is capped as starved"),
     "starved-blind-group-lifted-to-floor": (

@@ -347,6 +347,8 @@ def test_transformed_model_measures_what_its_untransformed_twin_measures(
                              (front_end, around, inside, groups))
 
 
+@pytest.mark.filterwarnings("ignore:adaloss_jax. same-step scales .same_step, on by")  # (drawn
+# cases where nothing can decide; test_live.py checks the notice: a scan of the loss)
 @PROPERTY
 @given(front_end=st.sampled_from(FRONT_ENDS), around=st.sampled_from(AROUND),
        inside=st.sampled_from(INSIDE), same_step=st.booleans(),

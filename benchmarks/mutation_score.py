@@ -43,6 +43,10 @@ SAMPLE = 100
 
 # name: (a line of the mutant's diff, why no test can tell it from the original)
 EQUIVALENT: dict[str, tuple[str, str]] = {
+    "adaloss_jax._jaxpr.x__label__mutmut_9": (
+        '+    label = eqn.params.get("name", None)',
+        "a jit equation without a name: the default, '' or None, is returned as '' by "
+        "the isinstance test that follows either way"),
     "adaloss_jax._common.x_all_finite__mutmut_13": (
         "+        ok = jax.lax.pmin(ok.astype(None), axis_name) > 0",
         "astype(None) makes the bool a float32 0.0/1.0; its pmin is > 0 exactly when "

@@ -419,6 +419,15 @@ def test_gradient_accumulation_with_multisteps():
     assert_fp32_trees_close(updates, ref)
 
 
+def test_a_gradient_check_prints_a_row_per_leaf_and_its_verdict():
+    row = {"name": "Dense_0/kernel", "group": "Dense_0", "scale": 2.0**12,
+           "rel_error": 0.5, "underflow_rate": 0.25, "headroom": 3.0}
+    text = str(alj._check.GradientCheck(rows=[row], disagreeing=["Dense_0/kernel"],
+                                        rtol=0.02))
+    assert "Dense_0/kernel" in text.splitlines()[-2]  # (the table's row, then the verdict)
+    assert text.splitlines()[-1] == "# rtol=0.02: 1 leaves disagree: Dense_0/kernel"
+
+
 def test_check_mode_names_disagreeing_leaves():
     _, params, loss16, batch = _setup("mlp", jnp.float16)
     _, _, loss32, _ = _setup("mlp", jnp.float32)
@@ -429,6 +438,7 @@ def test_check_mode_names_disagreeing_leaves():
     assert report.disagreeing == []
     assert len(report.rows) == len(jax.tree_util.tree_leaves(params))
     assert "all leaves within rtol" in str(report)
+    assert all(r["name"] in str(report) for r in report.rows)  # (its table: a row each)
     again = alj.diagnostics.check_gradients(loss16, loss32, state, params, *batch)
     assert again.rows == report.rows
     assert alj._check._compiled(loss16, loss32, scaler)._cache_size() == 1  # one compile

@@ -118,9 +118,12 @@ class AdaptiveScale:
         group was measured or overflowed (that scale holds the growth inside the
         module seen so far, and the back-off). The other points on the region's border
         receive the choice from it (docs: concepts, same-step scales), and the unscale
-        divides by it. Regions whose border is not all in one scope (a point inside a
-        scan or ``shard_map`` of the loss, or in another ``checkpoint`` body or
-        ``cond`` branch), stacks of layers, the root and fan-ins keep the rule's scale.
+        divides by it. A fan-in (a residual stream, q/k/v's input) decides the same way
+        at its last reader, never above its readers' rule scales once they were
+        measured. Regions whose border is not all in one scope (a point inside a scan
+        or ``shard_map`` of the loss, or in another ``checkpoint`` body or ``cond``
+        branch) and the root where the loss's region is its own keep the rule's
+        scale.
         Needs ``groups="module"`` and ``statistic="amax"``. ``False``: every scale is
         the rule's, set from the statistics of the steps before (and retried).
       retries: a step the rule would skip while it moves a scale (an overflow backed

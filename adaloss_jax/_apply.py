@@ -193,11 +193,12 @@ class Program:
         return [jnp.zeros((*s.lead, self.columns.width), jnp.float32) for s in self.sites()]
 
     def decode(self, rows: Sequence[jax.Array], used: GroupVector,
-               planned: GroupVector | None = None) -> ScaleStats:
+               planned: GroupVector | None = None, moved: dict | None = None) -> ScaleStats:
         """The rows of one backward pass (the cotangents of :meth:`dummies`) as per-group
         statistics, a stack's rows per layer; ``used``: the scale each group's gradients
         were computed at, ``planned``: the scales the plan set (they differ for the live
-        regions; a fan-in's scale is the min of its anchors' planned ones)."""
+        regions; a fan-in's scale is the min of its anchors' planned ones), ``moved``:
+        ``{anchor set: choice - plan}`` of the live fan-ins."""
         specs, values = [], []
         for r, s in zip(rows, self.sites()):
             axes = [a for a in range(len(s.lead)) if a != s.layer_axis]
@@ -207,8 +208,8 @@ class Program:
                        for i in range(s.lead[s.layer_axis])])
         fmt = self.scaler.format
         return _channel.decode(specs, values, used, self.columns, fmt.max,
-                               planned=planned if self.live.groups else None,
-                               fmt_min=fmt.min_subnormal)
+                               planned=planned if self.live.any else None,
+                               fmt_min=fmt.min_subnormal, moved=moved)
 
     def pairs(self) -> list[tuple]:
         """Every ``(x anchors, y anchors)`` pair a conversion or a row refers to, sorted
@@ -228,7 +229,7 @@ class Program:
         difference from the plan,
         and the mapped axes every decider takes its amax over."""
         ctx = None
-        if live is not None and self.live.groups:
+        if live is not None and self.live.any:
             ctx = _LiveContext(*live, tokens={})
         return self._eval(self.closed.jaxpr, self.closed.consts, args, list(dummies), ratios,
                           ctx)
@@ -296,7 +297,7 @@ class Program:
         group (all emitted before it: :mod:`adaloss_jax._live`)."""
         needs = self.live.needs.get(key, ())
         group = self.live.deciders.get(key)
-        x, y = self.live.names.get(key) or (_live.single(a) for a in pair)
+        x, y = self.live.names.get(key) or (_live.region_key(a) for a in pair)
         sc = self.scaler
         limits, chosen = (live.inputs[group] if group is not None
                           else (jnp.zeros((3,), jnp.float32), jnp.zeros((), jnp.float32)))
@@ -307,7 +308,7 @@ class Program:
             decides=group is not None, takes=len(taken),
             target=math.log2(cfg.x_max) - sc.margin,
             lo=math.log2(sc.min_loss_scale), hi=math.log2(sc.max_loss_scale), axes=live.axes,
-            reserve=float(sc.max_rise))
+            reserve=float(sc.max_rise), halfway=isinstance(group, tuple))
         base = jnp.stack([jnp.asarray(live.sigma[a], jnp.float32) for a in pair])
         ys, emitted = _channel.live_point(lcfg, xs, base, limits, dummy, chosen, taken)
         for g, t in zip(needs, emitted):

@@ -266,7 +266,7 @@ def _shift_hist(hist: jax.Array, k) -> jax.Array:
 
 def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
            columns: Columns, fmt_max: float, planned: GroupVector | None = None,
-           fmt_min: float | None = None) -> ScaleStats:
+           fmt_min: float | None = None, moved: dict | None = None) -> ScaleStats:
     """Rows -> per-group statistics, each at its group's scale.
 
     A row counts for every group anchoring either of its sides, shifted to that group's
@@ -288,6 +288,9 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
         of their planned scales, a one-group region's its group's in ``used`` (but
         the loss's seed, :data:`~adaloss_jax._tree.SEED`: the root's planned scale; its
         rows count for the root).
+      moved: ``{anchor set: choice - plan}``: the fan-ins that chose their own scale in
+        the backward pass (``adaloss_jax._live``); such a set's scale is its planned one
+        (the min) plus that difference.
 
     Vectorised over rows with static index arrays: a handful of ops whatever the
     model's size and depth.
@@ -332,6 +335,10 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
         single = jnp.asarray([len(a) == 1 and a[0] != SEED for a in sets])
         sigma_vec = jnp.where(single, log2[jnp.asarray([gi[a[0]] for a in sets])],
                               sigma_vec)
+    chose = [(si[a], d) for a, d in (moved or {}).items() if a in si]
+    if chose:
+        sigma_vec = sigma_vec.at[jnp.asarray([i for i, _ in chose], jnp.int32)].add(
+            jnp.stack([jnp.asarray(d, jnp.float32) for _, d in chose]))
     k = log2[e_grp] - sigma_vec[e_set]
     f = _formats.pow2(k)
     a = m[e_row, _AMAX] * jnp.asarray(e_lim, jnp.float32) * f
@@ -462,6 +469,7 @@ class LiveConfig(NamedTuple):
     hi: float = math.inf
     axes: tuple = ()  # mapped axes to agree over where the types do not say (check_vma off)
     reserve: float = 0.0  # the most a first choice keeps free for sums inside (max_rise)
+    halfway: bool = False  # a fan-in's first choice: halfway down its dtype's span
 
 
 def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
@@ -474,7 +482,8 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
         s     = floor(target - log2 A) - headroom        # target = log2 x_max - margin
         s     = s - reserve        while prior is +inf (nothing measured inside yet):
                                    # reserve = min(ceil(log2 n), max_rise), n = the
-                                   # elements of a cotangent per entry of its last axis
+                                   # elements of a cotangent per entry of its last axis;
+                                   # a fan-in's: halfway(cts, target)
         s     = min(s, prior)      # prior: the rule's scale (+inf until the group was
                                    # measured or overflowed)
         s     = planned where A is 0 or not finite       (nothing to measure by: the
@@ -503,6 +512,8 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
     if axes:  # one scale for every device whose gradients are summed
         amax = jax.lax.pmax(amax, axes)
     reserve = min(first_reserve(cts), cfg.reserve)
+    if cfg.halfway:
+        reserve = halfway(cts, cfg.target)
 
     def measured(limits):
         headroom, prior, planned = limits[0], limits[1], limits[2]
@@ -516,6 +527,17 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
         return s, s - limits[2]
 
     return jax.lax.cond((amax > 0) & (amax < jnp.inf), measured, unmeasured, limits)
+
+
+def halfway(cts: tuple, target: float) -> float:
+    """A fan-in's first reserve: half the binades between ``target`` and the smallest
+    subnormal of the dtype its cotangents are held in (static). A residual stream's
+    cotangent grows below its decider by an amount nothing has measured yet (each
+    reader's branch adds to it, a block's gain multiplies it), and the stream flushes
+    nothing more than its readers' conversions out of it do until that far below: its
+    first choice leaves room both ways."""
+    low = min(math.log2(float(jnp.finfo(c.dtype).smallest_subnormal)) for c in cts)
+    return float(math.floor((target - low) / 2))
 
 
 def first_reserve(cts: tuple) -> float:

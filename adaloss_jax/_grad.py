@@ -267,16 +267,19 @@ def adaptive_value_and_grad(
             sigma, ratios = _apply.anchor_scales(log2, program.pairs(), used)
             dummies = program.dummies()
             live = program.live.groups if prior is not None else ()
-            chosen = {g: jnp.zeros((), jnp.float32) for g in live}
-
-            limits = _limits(prior, live) if live else {}
+            fanins = program.live.fanins if prior is not None else ()
+            # (the fan-ins' zeros apart: a pytree's dict keys must sort)
+            chosen = ({g: jnp.zeros((), jnp.float32) for g in live},
+                      [jnp.zeros((), jnp.float32) for _ in fanins])
+            limits = _limits(prior, live, fanins, sigma) if live or fanins else {}
 
             def scaled(param_values, dummies, chosen):
-                inputs = {g: (limits[g], chosen[g]) for g in live}
+                inputs = {g: (limits[g], chosen[0][g]) for g in live}
+                inputs.update({a: (limits[a], c) for a, c in zip(fanins, chosen[1])})
                 axes = () if prior is None or _decide.bound(prior.axis_name) is None else (
                     prior.axis_name,)
                 outs = program.evaluate([*param_values, *rest], dummies, ratios,
-                                        (sigma, inputs, axes) if live else None)
+                                        (sigma, inputs, axes) if live or fanins else None)
                 out = rec.output(outs)
                 loss, aux = out if has_aux else (out, None)
                 loss32 = jnp.asarray(loss).astype(jnp.float32)
@@ -290,11 +293,13 @@ def adaptive_value_and_grad(
             if live:  # the scales the live regions chose, each from its own cotangent
                 # (returned as their difference from the plan: a decider never reached
                 # leaves its region at the plan)
-                actual = GroupVector(groups, [prior.log2_scales[g] + chosen[g] if g in chosen
-                                              else used[g] for g in groups], split=True)
-            return value, grads, program.decode(rows, actual, planned=used)
+                actual = GroupVector(groups, [prior.log2_scales[g] + chosen[0][g]
+                                              if g in chosen[0] else used[g] for g in groups],
+                                     split=True)
+            return value, grads, program.decode(rows, actual, planned=used,
+                                                moved=dict(zip(fanins, chosen[1])))
 
-        if scaler.same_step and not program.live.groups and len(groups) > 1:
+        if scaler.same_step and not program.live.any and len(groups) > 1:
             _common.notice_once("same-step-none", SAME_STEP_NONE)
         if _wide(rec, scaler):
             (loss, aux), grads, stats = _unscaled(attempt, state)
@@ -313,10 +318,14 @@ def adaptive_value_and_grad(
     return wrapped
 
 
-def _limits(prior: AdaptiveScaleState, live) -> dict:
+def _limits(prior: AdaptiveScaleState, live, fanins=(), sigma=None) -> dict:
     """What each live region's decider bounds its choice by (:func:`_channel.decide`):
     ``{g: [headroom, prior, planned]}``, the prior being the rule's scale once the group
-    was measured or overflowed (+inf before).
+    was measured or overflowed (+inf before). A live fan-in's (``fanins``, keyed by
+    their anchor sets) combine its anchors': the most headroom any keeps, the lowest
+    prior, and its planned scale ``sigma[a]``, the min of theirs
+    (:func:`adaloss_jax._apply.anchor_scales`); each anchor's statistics hold the
+    fan-in's rows, so the lowest prior holds the growth measured along it.
 
     Computed for every group at once as one table, and read out by one slice per live
     group that only its decider's conditional reads: XLA's CPU backend compiles each
@@ -328,7 +337,12 @@ def _limits(prior: AdaptiveScaleState, live) -> dict:
     table = jnp.stack([jnp.ceil(prior.headroom.array), jnp.where(measured, planned, jnp.inf),
                        planned]).astype(jnp.float32)
     names = prior.log2_scales.names
-    return {g: table[:, names.index(g)] for g in live}
+    out = {g: table[:, names.index(g)] for g in live}
+    for a in fanins:
+        cols = table[:, jnp.asarray([names.index(g) for g in a], jnp.int32)]
+        out[a] = jnp.stack([jnp.max(cols[0]), jnp.min(cols[1]),
+                            jnp.asarray(sigma[a], jnp.float32)])
+    return out
 
 
 def _unscaled(attempt: Callable, state: AdaptiveScaleState):

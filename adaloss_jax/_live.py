@@ -26,6 +26,20 @@ backward pass can set its scale where the cotangent enters it::
 So a module called twice is decided at its second call, whose backward pass runs first;
 the first call's cotangent enters at that scale (an overflow there backs off as any).
 
+A fan-in (a value read by several modules: a residual stream, one input of q, k and v;
+anchors of several whole groups, :func:`fan_in`) is live by the same rule, known by its
+anchor set: it decides at its last entry in the forward order (a residual stream at its
+last reader, the head or the block above), from the cotangent arriving there, and the
+other readers' exits into it convert at that choice. Its limits combine its anchors'
+(``adaloss_jax._grad._limits``): until they were measured it chooses from the
+cotangent in hand alone, which it puts halfway down the span of the dtype it is held in
+(:func:`adaloss_jax._channel.halfway`: its growth below the decider is unmeasured);
+after, never above the min of their rule scales, the scale it would have run at
+planned. Its choice is no group's
+scale (a parameter read in it converts to its owner's at its own conversion, which
+takes the choice as a token), so it goes to the statistics' decoding only, as its
+set's scale.
+
 A stack of layers in one scan decides too, a scale per layer (``Live.layers``):
 
     inside a layer  = the body's sites analysed as above, every layer's own slot of a
@@ -48,6 +62,7 @@ Everything here is static: it reads the plan's anchors and the order of the poin
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Sequence
 from typing import NamedTuple
@@ -84,6 +99,7 @@ class Live(NamedTuple):
 
     Attributes:
       groups: the live groups, sorted (a chain's layers included).
+      fanins: the live fan-ins, each by its anchor set (:func:`fan_in`), sorted.
       deciders: ``{site key: group}``, the point that chooses each group's scale
         (:data:`CHAIN_X` for a chain's exit, a layer's :func:`symbol` inside a scan).
       needs: ``{site key: groups}``: the live groups whose chosen scale the site's
@@ -93,7 +109,7 @@ class Live(NamedTuple):
         groups its body decides, a scale per layer: its chain's layers
         (:data:`CHAIN_X`), or the regions inside one layer (by :func:`symbol`).
       names: ``{site key: (x, y)}``: the group names of the two sides of a point
-        inside such a body (``single`` names the others).
+        inside such a body (:func:`region_key` names the others).
     """
 
     groups: tuple[str, ...] = ()
@@ -102,6 +118,12 @@ class Live(NamedTuple):
     chains: dict = {}
     layers: dict = {}
     names: dict = {}
+    fanins: tuple = ()
+
+    @property
+    def any(self) -> bool:
+        """Whether anything decides in the backward pass."""
+        return bool(self.groups or self.fanins)
 
 
 class Scan(NamedTuple):
@@ -125,6 +147,22 @@ def single(anchors) -> str | None:
     if not isinstance(anchors, Steps) and anchors is not None and len(anchors) == 1:
         return anchors[0]
     return None
+
+
+def fan_in(anchors) -> tuple | None:
+    """A fan-in's anchor set as its own live key: plain anchors of several groups, each
+    a whole group (no stack's slot), else ``None``."""
+    if (isinstance(anchors, tuple) and not isinstance(anchors, Steps) and len(anchors) > 1
+            and all(type(g) is str for g in anchors)):
+        return anchors
+    return None
+
+
+def region_key(anchors, fanins: bool = True):
+    """What a side's region is known by among the live ones: its one group
+    (:func:`single`), or a fan-in's anchor set (:func:`fan_in`, where ``fanins``)."""
+    g = single(anchors)
+    return g if g is not None or not fanins else fan_in(anchors)
 
 
 def _per_layer(anchors) -> list[str]:
@@ -238,14 +276,20 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
                 needs.update(wanted)
                 names.update(named)
     slots = [g for by_name in layers.values() for group in by_name.values() for g in group]
-    return Live(tuple(sorted([*live, *slots])), deciders, needs, chains, layers, names)
+    fanins = tuple(sorted(g for g in live if isinstance(g, tuple)))
+    groups = [g for g in live if not isinstance(g, tuple)]
+    return Live(tuple(sorted([*groups, *slots])), deciders, needs, chains, layers, names,
+                fanins)
 
 
 def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: frozenset,
-             extra: dict, firsts=frozenset(), root: bool = False) -> tuple[dict, dict]:
+             extra: dict, firsts=frozenset(), root: bool = False, fanins: bool = True
+             ) -> tuple[dict, dict]:
     """The live groups with their deciders, and what every site needs, of the sites
     ``every`` (``extra``: border keys beyond theirs; ``firsts``: groups whose tokens a
-    chain takes; ``root``: whether the root may be live, its regions not the loss's)."""
+    chain takes; ``root``: whether the root may be live, its regions not the loss's;
+    ``fanins``: whether a fan-in may be, keyed by its anchor set, :func:`region_key`)."""
+    key_of = functools.partial(region_key, fanins=fanins)
     entries: dict[str, list] = {}
     border: dict[str, list] = {g: list(keys) for g, keys in extra.items()}
     unfit: set[str] = set()  # met per layer
@@ -253,7 +297,7 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
         unfit.update(_per_layer(x) + _per_layer(y))
         if not convert:
             continue
-        gx, gy = single(x), single(y)
+        gx, gy = key_of(x), key_of(y)
         if gx is not None and gx != gy:
             entries.setdefault(gx, []).append(key)
         if gy is not None and gy != gx:
@@ -262,7 +306,7 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
         if pair is None:
             continue
         for side in pair:
-            g = single(side)
+            g = key_of(side)
             if g is not None:
                 border.setdefault(g, []).append((PARAMS_KEY, i))
             unfit.update(_per_layer(side))
@@ -272,6 +316,8 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
         if g == ROOT and not root:
             continue  # (the loss's region: no cotangent enters it)
         if g in unfit or g in stacked or one_layer:
+            continue
+        if isinstance(g, tuple) and set(g) & (unfit | stacked):
             continue
         rest = keys + border.get(g, [])
         if not all(counts[k] == 1 and k in order for k in rest):
@@ -284,13 +330,13 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
     for key, (x, y), convert in every:
         if not convert or key not in order:
             continue
-        want = [g for g in dict.fromkeys((single(x), single(y)))
+        want = [g for g in dict.fromkeys((key_of(x), key_of(y)))
                 if (g in live and live[g] != key) or g in firsts]
         if want:
             needs[key] = tuple(want)
     for i, pair in enumerate(params):
         if pair is not None:
-            want = [g for g in dict.fromkeys(map(single, pair)) if g in live]
+            want = [g for g in dict.fromkeys(map(key_of, pair)) if g in live]
             if want:
                 needs[(PARAMS_KEY, i)] = tuple(want)
     return live, needs
@@ -320,7 +366,8 @@ def _inside(scan: Scan, every: Sequence[tuple], params: Sequence, counts: Counte
             elif isinstance(raw, Steps):  # another layer's slot, read alone
                 outside.update(a[0] for a in raw if len(a) == 1)
     fit = {g for g, mine in slots.items() if not outside & set(mine)}
-    live, needs = _regions(body, dict(scan.order), counts, (), frozenset(), {})
+    live, needs = _regions(body, dict(scan.order), counts, (), frozenset(), {},
+                           fanins=False)
     live = {g: d for g, d in live.items() if g in fit}
     needs = {k: w for k, w in ((k, tuple(g for g in w if g in live)) for k, w in needs.items())
              if w}

@@ -126,6 +126,36 @@ MUTATIONS = {
         "self.columns, convert=False, measure=True, y_max=y_max, x_max=lim),",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the loss's cast measures but never converts from the seed: the root never decides"),
+    "fan-ins-never-live": (
+        "adaloss_jax/_live.py",
+        "    return g if g is not None or not fanins else fan_in(anchors)",
+        "    return g",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a fan-in (a residual stream) keeps its anchors' planned scales: fp8 step 0 skipped"),
+    "fan-in-first-choice-as-a-modules": (
+        "adaloss_jax/_apply.py",
+        "            reserve=float(sc.max_rise), halfway=isinstance(group, tuple))",
+        "            reserve=float(sc.max_rise), halfway=False)",
+        ["tests/test_live_warmup.py"],
+        "a fan-in's first choice keeps a module's room (5 binades in fp8), not half its span"),
+    "fan-in-choice-not-decoded": (
+        "adaloss_jax/_grad.py",
+        "                                                moved=dict(zip(fanins, chosen[1])))",
+        "                                                moved=None)",
+        ["tests/test_live.py", "tests/test_live_warmup.py", "tests/test_channel.py"],
+        "the statistics read a live fan-in's rows at its planned scale, not its choice"),
+    "fan-in-prior-ignored": (
+        "adaloss_jax/_grad.py",
+        "        out[a] = jnp.stack([jnp.max(cols[0]), jnp.min(cols[1]),",
+        "        out[a] = jnp.stack([jnp.max(cols[0]), jnp.inf,",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a live fan-in's choice is not bounded by its anchors' rule scales once measured"),
+    "fan-in-headroom-ignored": (
+        "adaloss_jax/_grad.py",
+        "        out[a] = jnp.stack([jnp.max(cols[0]), jnp.min(cols[1]),",
+        "        out[a] = jnp.stack([jnp.min(cols[0]) * 0, jnp.min(cols[1]),",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a live fan-in keeps none of the headroom its anchors learned"),
     "root-never-live": (
         "adaloss_jax/_live.py",
         "        if g == ROOT and not root:",

@@ -10,8 +10,9 @@ statistics and any skipped step is the scale rule's doing:
 - models no issue named, for a sweep (``--tasks cnn,deepsig,tied,residual``): ``cnn``
   (two convolutions, a LayerNorm, two Dense), ``deepsig`` (ten sigmoid Dense layers),
   ``tied`` (3 pre-norm MLP blocks on token embeddings, the embedding also the output
-  layer through ``Embed.attend``), ``residual`` (six Dense layers on a residual stream), all
-  fp16 compute.
+  layer through ``Embed.attend``), ``residual`` (six Dense layers on a residual stream),
+  ``growing`` (four Dense layers on a residual stream, each branch x 4, so the stream's
+  cotangent grows about 2^3 a layer), all fp16 compute.
 
 For each: fp16 and e4m3 cotangents (``simulate=True``; ``--formats`` adds e5m2), per
 module and one global scale,
@@ -27,7 +28,7 @@ far the first pass's scales were from where they settle).
     python benchmarks/warmup_skips.py --loss-log2 -20 # the loss x 2^-20 (the bench's tiny
                                                       # regime: the loss's cast flushes)
     python benchmarks/warmup_skips.py --loss-in scan-ce  # the cast in a nested equation
-    python benchmarks/warmup_skips.py --tasks cnn,deepsig,tied,residual --steps 8 \
+    python benchmarks/warmup_skips.py --tasks cnn,deepsig,tied,residual,growing --steps 8 \
         --formats float16,float8_e4m3fn,float8_e5m2 --reduce sum   # a summed loss
 """
 
@@ -102,7 +103,20 @@ class _Residual(nn.Module):
         return nn.Dense(10, dtype=jnp.float16)(x)
 
 
-_SWEEP = {"cnn": _CNN, "deepsig": _DeepSigmoid, "residual": _Residual}
+class _Growing(nn.Module):
+    """A residual stream whose cotangent grows about 2^3 a layer below its last reader
+    (each branch x 4): more than a fan-in's first choice keeps room for."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(16, dtype=jnp.float16)(x.reshape(x.shape[0], -1))
+        for _ in range(4):
+            x = x + nn.Dense(16, dtype=jnp.float16)(x) * 4.0
+        return nn.Dense(10, dtype=jnp.float16)(x)
+
+
+_SWEEP = {"cnn": _CNN, "deepsig": _DeepSigmoid, "residual": _Residual,
+          "growing": _Growing}
 TASKS = ("attn5", "gpt6", "gpt6-scan", "tied", *_SWEEP)
 
 

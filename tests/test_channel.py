@@ -137,6 +137,32 @@ def test_decode_reads_the_loss_seed_at_the_roots_planned_scale(sumsq):
     assert bool(stats.bad[""]) and not bool(stats.bad["a"])
 
 
+def test_decode_reads_a_live_fan_in_at_its_plan_plus_what_it_moved():
+    """A fan-in of a and b (planned 5 and 9: its plan is 5) chose 11 in the pass, moved
+    6: a row measured there (amax 8 at 11) counts for a at a's scale, 8 * 2^(7 - 11),
+    and for b at b's, 8 * 2^(9 - 11); a row leaving it for c (at c's 3) flushes where it
+    arrives only where the fan-in's own scale says so. Without ``moved`` the same rows
+    read at the plan, 5."""
+    cols = _channel.Columns(sumsq=False, hist_lo=None)
+    fan = ("a", "b")
+    rows = [_channel.Row(y=fan, x=fan, y_max=FP16, x_max=FP16),
+            _channel.Row(y=("c",), x=fan, y_max=FP16, x_max=FP16)]
+    values = [jnp.asarray([8.0, 0.0, 0.0]), jnp.asarray([2.0**-10, 0.0, 0.0])]
+    used = GroupVector(("a", "b", "c"), jnp.asarray([7.0, 9.0, 3.0]), split=True)
+    planned = GroupVector(("a", "b", "c"), jnp.asarray([5.0, 9.0, 3.0]), split=True)
+    stats = _channel.decode(rows, values, used, cols, FP16, planned=planned,
+                            fmt_min=2.0**-24, moved={fan: jnp.float32(6.0)})
+    assert float(stats.amax["a"]) == 8.0 * 2.0 ** (7 - 11)
+    assert float(stats.amax["b"]) == 8.0 * 2.0 ** (9 - 11)
+    assert not bool(stats.flushed)  # 2^-10 at 3 is 2^-2 at 11: stored
+    plan = _channel.decode(rows, values, used, cols, FP16, planned=planned, fmt_min=2.0**-24)
+    assert float(plan.amax["a"]) == 8.0 * 2.0 ** (7 - 5)
+    moved_down = _channel.decode(rows, values, used, cols, FP16, planned=planned,
+                                 fmt_min=2.0**-24, moved={fan: jnp.float32(-18.0)})
+    assert bool(moved_down.flushed)  # 2^-10 at 3 is 2^-26 at -13: below half the min
+    assert bool(moved_down.starved["a"]) and bool(moved_down.starved["b"])
+
+
 @pytest.mark.parametrize("sumsq,hist", [(False, False), (True, False), (True, True)])
 def test_columns(sumsq, hist):
     cols = _channel.Columns(sumsq=sumsq, hist_lo=-30 if hist else None)

@@ -66,13 +66,55 @@ def test_a_chain_is_live_and_each_decider_needs_the_scale_it_arrives_at():
     assert live.needs == {"a_out": ("b",)}  # its consumer side is b's region
 
 
-def test_a_fan_in_keeps_the_plan_and_its_exits_get_tokens():
-    # q and k read one value (anchors (k, q)); their exits convert into it.
+def test_a_fan_in_decides_at_its_last_entry_and_its_other_exits_get_tokens():
+    # q and k read one value (anchors (k, q)); their exits convert into it. k's input
+    # point, last in the forward order, is the first the backward pass meets.
     every = [_site("q_in", ("k", "q"), ("q",)), _site("k_in", ("k", "q"), ("k",)),
              _site("q_out", ("q",), ("",)), _site("k_out", ("k",), ("",))]
     live = _live.analyse(every, _top("q_in", "k_in", "q_out", "k_out"), [], _at(0))
-    assert set(live.groups) == {"q", "k"}
-    assert live.needs == {"q_in": ("q",), "k_in": ("k",)}
+    assert set(live.groups) == {"q", "k"} and live.fanins == (("k", "q"),)
+    assert live.deciders == {"q_out": "q", "k_out": "k", "k_in": ("k", "q")}
+    assert live.needs == {"q_in": (("k", "q"), "q"), "k_in": ("k",)}
+
+
+def test_a_fan_ins_limits_combine_its_anchors_and_read_its_plan():
+    """``[headroom, prior, planned]``: the most headroom any anchor learned, the lowest
+    rule scale of those measured or overflowed (+inf while none is), and the planned
+    scale handed in (the min of the anchors' plans)."""
+    import dataclasses
+
+    from adaloss_jax import _grad
+    from adaloss_jax._layout import GroupVector
+
+    params = {g: {"w": jnp.ones(2)} for g in ("a", "b", "c")}
+    st = alj.adaptive_unscale(alj.adaptive(groups="module")).init(params)
+    st = st.with_log2_scales({"a": 7, "b": 3, "c": 12})
+    names = st.log2_scales.names
+    vec = lambda d, fill: GroupVector(names, jnp.asarray(  # noqa: E731
+        [d.get(g, fill) for g in names], jnp.float32))
+    fresh = _grad._limits(st, ["a"], [("b", "c"), ("a", "c")], {("b", "c"): 3.0,
+                                                                 ("a", "c"): 7.0})
+    np.testing.assert_array_equal(fresh[("b", "c")], [0.0, np.inf, 3.0])
+    st = dataclasses.replace(st, headroom=vec({"b": 2.0, "c": 4.5}, 0.0),
+                             log2_amax=vec({"a": -3.0, "c": -5.0}, -np.inf))
+    got = _grad._limits(st, ["a"], [("b", "c"), ("a", "c")], {("b", "c"): 3.0,
+                                                               ("a", "c"): 7.0})
+    np.testing.assert_array_equal(got[("b", "c")], [5.0, 12.0, 3.0])  # (b unmeasured)
+    np.testing.assert_array_equal(got[("a", "c")], [5.0, 7.0, 7.0])
+    np.testing.assert_array_equal(got["a"], [0.0, 7.0, 7.0])
+
+
+def test_a_fan_in_with_a_border_after_its_decider_or_a_stacked_anchor_keeps_the_plan():
+    # The fan-in's entry read last in the forward order is not after the rest of its
+    # border (a point met twice), or one of its groups gets a scale per layer.
+    every = [_site("q_in", ("k", "q"), ("q",)), _site("k_in", ("k", "q"), ("k",)),
+             _site("q_out", ("q",), ("",)), _site("k_out", ("k",), ("",))]
+    twice = every + [_site("q_in", ("k", "q"), ("q",))]
+    live = _live.analyse(twice, _top("q_in", "k_in", "q_out", "k_out"), [], _at(0))
+    assert live.fanins == () and ("k", "q") not in live.deciders.values()
+    live = _live.analyse(every, _top("q_in", "k_in", "q_out", "k_out"), [], _at(0),
+                         stacked=frozenset({"q"}))
+    assert live.fanins == ()
 
 
 def _scan(keys, top=None, order=(), length=3, reverse=False, at=((), (2,))):
@@ -532,6 +574,9 @@ def test_fp32_model_exact_under_same_step_scales(name):
     _, program, _ = alj._grad.trace(loss_fn, scaler, params, batch, {})
     assert program.live.groups  # some regions chose their own scales
     assert any(float(stats.log2_scales[g]) != log2[g] for g in program.live.groups)
+    # (and the fan-ins: residual streams, a concat skip, k and v from one input)
+    assert bool(program.live.fanins) == (name in ("resnet", "unet_concat",
+                                                   "gpt_tied_reused_attention"))
     assert bool(new_state[0].base.last_applied)
     assert_fp32_trees_close(got, jax.grad(loss_fn)(params, *batch))
 
@@ -597,7 +642,11 @@ def test_a_parameter_read_by_another_module_is_converted_at_its_owners_choice():
     _, program, _ = alj._grad.trace(loss, scaler, params, (x,), {})
     lent = [i for i, (path, _) in enumerate(jax.tree_util.tree_leaves_with_path(params))
             if "lent" in jax.tree_util.keystr(path)]
-    assert program.live.needs.get((_live.PARAMS_KEY, *lent)) == ("_Lender_0",)
+    # (the borrower's region reads parameters of both: a fan-in of the two, which
+    # decides at its exit into the Dense)
+    assert program.live.fanins == (("_Borrower_0", "_Lender_0"),)
+    assert program.live.needs.get((_live.PARAMS_KEY, *lent)) == (
+        "_Lender_0", ("_Borrower_0", "_Lender_0"))
     prior = {"": 2, "_Lender_0": -6, "_Borrower_0": 9, "Dense_0": 4}
     step, state = _grads_through(scaler, loss, params, (x,), {
         g: prior.get(g, 0) for g in alj.param_groups(params, scaler)})

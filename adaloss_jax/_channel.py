@@ -533,9 +533,9 @@ def halfway(cts: tuple, target: float) -> float:
     """A fan-in's first reserve: half the binades between ``target`` and the smallest
     subnormal of the dtype its cotangents are held in (static). A residual stream's
     cotangent grows below its decider by an amount nothing has measured yet (each
-    reader's branch adds to it, a block's gain multiplies it), and the stream flushes
-    nothing more than its readers' conversions out of it do until that far below: its
-    first choice leaves room both ways."""
+    reader's branch adds to it, a block's gain multiplies it); with its largest value
+    halfway down, it may grow by half the dtype's span before it overflows, and only
+    values smaller by more than that flush."""
     low = min(math.log2(float(jnp.finfo(c.dtype).smallest_subnormal)) for c in cts)
     return float(math.floor((target - low) / 2))
 

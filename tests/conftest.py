@@ -162,9 +162,9 @@ FULL_SUITE_ONLY = {
     # the GPTs whose loss cast flushes (the MLP's root-at-the-cast test and the scanned
     # e4m3 GPT's step-0-only test stay), the qwix peer's scanned twin (its plain-qwix
     # equivalence stays)
-    "test_live_warmup.py::test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_only_step_0"
+    "test_live_warmup.py::test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_at_most_step_0"
     "[unrolled]",
-    "test_live_warmup.py::test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_only_step_0"
+    "test_live_warmup.py::test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_at_most_step_0"
     "[scanned]",
     "test_bench.py::test_new_fp8_peers_quantize_a_scanned_stack_like_its_unrolled_twin"
     "[fp8-qwix]",

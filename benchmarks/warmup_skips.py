@@ -12,7 +12,7 @@ statistics and any skipped step is the scale rule's doing:
   ``tied`` (3 pre-norm MLP blocks on token embeddings, the embedding also the output
   layer through ``Embed.attend``), ``residual`` (six Dense layers on a residual stream),
   ``growing`` (four Dense layers on a residual stream, each branch x 4, so the stream's
-  cotangent grows about 2^3 a layer), all fp16 compute.
+  cotangent grows several binades a layer), all fp16 compute.
 
 For each: fp16 and e4m3 cotangents (``simulate=True``; ``--formats`` adds e5m2), per
 module and one global scale,
@@ -104,8 +104,8 @@ class _Residual(nn.Module):
 
 
 class _Growing(nn.Module):
-    """A residual stream whose cotangent grows about 2^3 a layer below its last reader
-    (each branch x 4): more than a fan-in's first choice keeps room for."""
+    """A residual stream whose cotangent grows several binades a layer below its last
+    reader (each branch x 4): more than a module's first choice keeps room for."""
 
     @nn.compact
     def __call__(self, x):

@@ -882,3 +882,52 @@ def test_a_module_whose_output_reaches_nothing_keeps_its_planned_scale():
     assert not np.any(np.asarray(grads["dead"]["kernel"]))
     ref = jax.grad(loss_fn)(params, x, y)
     assert_fp32_trees_close(grads["first"], ref["first"], rtol=2e-2)
+
+
+def _residual_stream(around, inside):
+    """Three ``scale_group`` layers on a residual stream (``h + layer(h)``), the stream a
+    fan-in read by every layer and the head; ``around`` the whole model, ``inside`` each
+    layer (``test_jax_transformations``' wrappers)."""
+    from test_jax_transformations import _around, _inside
+
+    names = ["r0", "r1", "r2", "head"]
+    layers = {n: alj.scale_group(n)(lambda p, h: jnp.tanh(h @ p["w"] + p["b"]))
+              for n in names}
+    keys = jax.random.split(jax.random.key(3), len(names))
+    params = {n: {"w": jax.random.normal(k, (8, 8)) / 8**0.5, "b": jnp.full((8,), 0.1)}
+              for n, k in zip(names, keys)}
+
+    def model(p, x):
+        h = x
+        for n in names[:-1]:
+            h = h + _inside(inside, functools.partial(layers[n], p[n]))(h)
+        return layers["head"](p["head"], h)
+
+    def loss(p, x, y=None):
+        return jnp.mean(_around(around, functools.partial(model, p))(x) ** 2)
+
+    return params, loss
+
+
+@pytest.mark.filterwarnings("ignore:adaloss_jax. same-step scales .same_step, on by")
+@pytest.mark.parametrize("around,inside", [(a, "none") for a in AROUND]
+                         + [("none", i) for i in INSIDE if i != "none"])
+def test_a_residual_streams_fan_in_decides_and_stays_exact_under_transformations(
+        around, inside):
+    """The stream decides at its last reader where its whole border is in one scope: a
+    vmap, jit or checkpoint around the model, or a jit or vmap around each layer (jits
+    inlined, a vmap's points met once); a cond or shard_map around it, or each layer in
+    its own checkpoint body or cond branch, keeps the plan. Either way, whatever the
+    prior scales, the fp32 gradients are jax.grad's."""
+    params, loss = _residual_stream(around, inside)
+    x = jax.random.normal(jax.random.key(4), (8, 8))
+    scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0)
+    _, program, _ = alj._grad.trace(loss, scaler, params, (x,), {})
+    planned = around in ("cond", "shard_map", "shard_map_untyped") or inside in ("remat",
+                                                                                  "cond")
+    assert program.live.fanins == (() if planned else (("head", "r0", "r1", "r2"),))
+    step, state = _grads_through(scaler, loss, params, (x,), {
+        "": 5, "r0": -6, "r1": 9, "r2": 2, "head": 12})
+    got, new_state, _ = step(state, params, x, jnp.zeros(()))
+    assert bool(new_state[0].base.last_applied)
+    assert_fp32_trees_close(got, jax.grad(loss)(params, x))

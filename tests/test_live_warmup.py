@@ -97,33 +97,28 @@ def test_a_scanned_gpt_whose_cotangents_flush_in_e4m3_skips_only_step_0():
     assert skipped == [0]
 
 
-class _PreNormBlock(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        h = nn.LayerNorm(dtype=jnp.float16)(x)
-        q, k, v = jnp.split(nn.Dense(3 * x.shape[-1], dtype=jnp.float16)(h), 3, -1)
-        s = (q @ k.swapaxes(-1, -2)).astype(jnp.float32) / jnp.sqrt(x.shape[-1])
-        a = jax.nn.softmax(s).astype(jnp.float16) @ v
-        return x + nn.Dense(x.shape[-1], dtype=jnp.float16)(a)
+def _warmup_models():
+    """``benchmarks/warmup_skips.py``'s models (the sweep's own)."""
+    import importlib.util
+    import pathlib
+
+    path = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "warmup_skips.py"
+    spec = importlib.util.spec_from_file_location("warmup_skips", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 class _PreNorm(nn.Module):
-    """Two pre-norm attention blocks on a residual stream: each block's input is read
-    by its LayerNorm and by its residual, a fan-in anchored by every group above."""
+    """Two of the sweep's pre-norm attention blocks on a residual stream: each block's
+    input is read by its LayerNorm and by its residual, a fan-in anchored by every group
+    above."""
 
     @nn.compact
     def __call__(self, x):
+        block = _warmup_models()._Block
         x = nn.Dense(16, dtype=jnp.float16)(x)
-        x = _PreNormBlock()(_PreNormBlock()(x))
-        return nn.Dense(10, dtype=jnp.float16)(x)
-
-
-class _ResidualMLP(nn.Module):
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(16, dtype=jnp.float16)(x)
-        for _ in range(3):
-            x = x + nn.Dense(16, dtype=jnp.float16)(nn.relu(x)) * 0.5
+        x = block()(block()(x))
         return nn.Dense(10, dtype=jnp.float16)(x)
 
 
@@ -134,7 +129,8 @@ def test_a_residual_stream_chooses_its_scale_in_the_pass_and_skips_nothing(model
     """fp8 from scale 1, the loss x 2^-20: a residual stream (a fan-in) ran at the min
     of its readers' planned scales, 1 at step 0, where its cotangent flushed and step 0
     was skipped. It now chooses its own scale where the backward pass first reaches it,
-    from the cotangent in hand, so no step is skipped."""
+    from the cotangent in hand, so no step is skipped (the sweep's pre-norm blocks, two
+    of them, and its ``residual`` model)."""
     if model == "attention":
         x = jax.random.normal(jax.random.key(0), (128, 8, 16))
         y = jax.random.randint(jax.random.key(1), (128, 8), 0, 10)
@@ -142,33 +138,20 @@ def test_a_residual_stream_chooses_its_scale_in_the_pass_and_skips_nothing(model
     else:
         x = jax.random.normal(jax.random.key(0), (64, 16))
         y = jax.random.randint(jax.random.key(1), (64,), 0, 10)
-        m = _ResidualMLP()
+        m = _warmup_models()._Residual()
     assert _warm_up_skips(m, x, y, grad_dtype, steps=4, loss_scale=2.0**-20) == []
-
-
-class _Growing(nn.Module):
-    """Four Dense layers on a residual stream, each branch x 4: the stream's cotangent
-    grows by about 2^3 a layer below its last reader, where it decides."""
-
-    @nn.compact
-    def __call__(self, x):
-        x = nn.Dense(16, dtype=jnp.float16)(x)
-        for _ in range(4):
-            x = x + nn.Dense(16, dtype=jnp.float16)(x) * 4.0
-        return nn.Dense(10, dtype=jnp.float16)(x)
 
 
 @pytest.mark.parametrize("loss_log2", [0, -20])
 def test_a_stream_that_grows_below_its_decider_is_held_by_its_first_choice(loss_log2):
-    """e4m3: the stream's cotangent grows by about 2^12 below its last reader, where it
-    decides; its first choice puts it halfway down the span of float16, which holds
-    the stream, so nothing is skipped. (With a module's first reserve, 5 binades, step 0
-    overflowed, and at x 2^-20 steps 0-2 were skipped while the groups recovered; at its
-    readers' planned scale 1, where it ran before fan-ins decided, step 0 was skipped at
-    x 2^-20.)"""
+    """The sweep's ``growing`` model in e4m3: the stream's cotangent grows by more below
+    its last reader, where it decides, than a module's first choice keeps room for; its
+    first choice puts it halfway down the span of float16, which holds the stream, so
+    nothing is skipped (a module's first choice, and the readers' planned scales before
+    fan-ins decided: docs/results.md, section 4)."""
     x = jax.random.normal(jax.random.key(0), (64, 16))
     y = jax.random.randint(jax.random.key(1), (64,), 0, 10)
-    assert _warm_up_skips(_Growing(), x, y, "float8_e4m3fn", steps=4,
+    assert _warm_up_skips(_warmup_models()._Growing(), x, y, "float8_e4m3fn", steps=4,
                           loss_scale=2.0**loss_log2) == []
 
 

@@ -16,6 +16,12 @@ from adaloss_jax import _formats, _tree, _validation
 
 STATISTICS = ("amax", "gaussian", "quantile")
 GROUPINGS = ("global", "module")
+# Per module, the binades a step may run below its scale and still be applied, by the
+# format: the most a step computed that far below flushed at most 1% more on every
+# bench task measured (docs/results.md, section 4: float16 17, e5m2 10), and so the
+# most a first same-step choice keeps free for the sums inside its module. Elsewhere,
+# and never less: the step after one backoff, log2(factor) + 1.
+_MODULE_RISE = {"float16": 16, "float8_e5m2": 10}
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True, repr=False)
@@ -38,7 +44,8 @@ class AdaptiveScale:
                                                 ``"quantile"`` (underflow share counted)
     ``threshold``             ``1e-3``          tolerated underflow share (gaussian,
                                                 quantile)
-    ``margin``                4 (2 for fp8)     binades kept free below the format's max
+    ``margin``                4 (2 for e4m3:    binades kept free below the format's max
+                              under 30 binades)
     ``decay``                 1/16 (module),    binades a step the held amax peak sinks
                               inf (global)      by; ``math.inf``: this step's amax alone
     ``period``                ``1``             recompute scales every ``period`` steps
@@ -47,8 +54,9 @@ class AdaptiveScale:
     ``min_loss_scale``        ``2**-24``        lower bound of every scale
     ``max_loss_scale``        ``2**64``         upper bound of every scale
     ``factor``                ``16.0``          back-off factor of a group that overflowed
-    ``max_rise``              16 (fp16 per      binades: a step whose statistics call for
-                              module), else     a scale this much higher is not applied
+    ``max_rise``              per module 16     binades: a step whose statistics call for
+                              (fp16), 10        a scale this much higher is not applied
+                              (e5m2); else
                               log2(factor) + 1
     ``same_step``             ``None``: on for  each module's scale set from the
                               ``"module"`` with cotangent entering it, in the same
@@ -103,11 +111,13 @@ class AdaptiveScale:
         ``initial_scale``, a step after more than one backoff) is skipped: the scales
         move, and the next step is computed at them. ``None``: ``log2(factor) + 1``: the
         step after a single backoff (back by ``log2(factor)``, plus a binade the
-        statistics may have moved) is applied; ``16`` where ``grad_dtype`` is float16
-        and ``groups="module"``: there a step computed that far below its scale flushed
-        little more than at its scale on every task measured (``docs/results.md``,
+        statistics may have moved) is applied; where ``groups="module"``, ``16`` for
+        float16 and ``10`` for e5m2: a step computed that far below its scale flushed at
+        most 1% more than at its scale on every task measured (``docs/results.md``,
         section 4), and a first same-step choice keeps up to ``max_rise`` binades free
-        for the sums inside its module.
+        for the sums inside its module (a kernel's over every token: in e5m2, whose
+        largest value is float16's, a kernel's gradient summed in the model's float16
+        has no room above the cotangent's format).
       same_step: ``True`` (the default where ``groups="module"`` and
         ``statistic="amax"``; ``None`` resolves to it there, else to ``False``): each
         module's region of the backward stream chooses its
@@ -228,8 +238,8 @@ class AdaptiveScale:
                 f"bounds")
         _validation.check_growth_factor("factor", self.factor)
         if self.max_rise is None:
-            object.__setattr__(self, "max_rise", 16 if fmt.name == "float16"
-                               and self.groups == "module" else self.backoff + 1)
+            module = _MODULE_RISE.get(fmt.name, 0) if self.groups == "module" else 0
+            object.__setattr__(self, "max_rise", max(module, self.backoff + 1))
         _validation.check_int("max_rise", self.max_rise, minimum=0)
         _validation.check_int("retries", self.retries, minimum=0)
         _validation.check_int("max_consecutive_skips", self.max_consecutive_skips, minimum=1)

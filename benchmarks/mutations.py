@@ -138,6 +138,13 @@ MUTATIONS = {
         "            reserve=float(sc.max_rise), halfway=False)",
         ["tests/test_live_warmup.py"],
         "a fan-in's first choice keeps a module's room (5 binades in fp8), not half its span"),
+    "e5m2-module-rise-as-e4m3s": (
+        "adaloss_jax/_adaptive_scaler.py",
+        '_MODULE_RISE = {"float16": 16, "float8_e5m2": 10}',
+        '_MODULE_RISE = {"float16": 16}',
+        ["tests/test_live_warmup.py"],
+        "e5m2 per module keeps e4m3's max_rise (5): a kernel's sum over 8192 tokens overflows "
+        "float16 at the first choice, and step 0 is skipped"),
     "fan-in-choice-not-decoded": (
         "adaloss_jax/_grad.py",
         "                                                moved=dict(zip(fanins, chosen[1])))",
@@ -263,8 +270,8 @@ MUTATIONS = {
         "front ends' small MLPs apply it from 1 as well)"),
     "fp16-module-rise-capped-at-5": (
         "adaloss_jax/_adaptive_scaler.py",
-        '            object.__setattr__(self, "max_rise", 16 if fmt.name == "float16"',
-        '            object.__setattr__(self, "max_rise", 5 if fmt.name == "float16"',
+        '_MODULE_RISE = {"float16": 16, "float8_e5m2": 10}',
+        '_MODULE_RISE = {"float16": 5, "float8_e5m2": 10}',
         ["tests/test_live_warmup.py::test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_nothing"],
         "fp16 per module keeps max_rise 5: a first choice's room for its kernel sums is "
         "capped at 5 binades, and the head's overflows at step 0"),

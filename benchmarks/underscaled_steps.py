@@ -34,6 +34,7 @@ SCALERS = {
     "fp16-global": dict(groups="global"),
     "fp16-module": dict(groups="module"),
     "e4m3-module": dict(groups="module", grad_dtype="float8_e4m3fn", simulate=True),
+    "e5m2-module": dict(groups="module", grad_dtype="float8_e5m2", simulate=True),
 }
 
 

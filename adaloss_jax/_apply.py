@@ -439,6 +439,8 @@ def _varies(pair) -> bool:
 
 
 def _manual_axes(params) -> frozenset:
+    """The axes a ``shard_map`` equation maps by hand (its parameter
+    ``newly_manual_axes``; ``manual_axes`` in jax releases before it)."""
     return frozenset(params.get("newly_manual_axes", params.get("manual_axes", ())))
 
 

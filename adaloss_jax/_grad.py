@@ -356,8 +356,7 @@ def _unscaled(attempt: Callable, state: AdaptiveScaleState):
         _common.all_finite(grads, axis_name=axis_name),
         _common.all_finite(value[0], axis_name=axis_name))
     verdict = {f: getattr(state, f) for f in RETRIED}
-    verdict.update(log2_scales=one, base=base, health=state.health,
-                   retries=jnp.zeros((), jnp.int32))
+    verdict.update(log2_scales=one, base=base, retries=jnp.zeros((), jnp.int32))
     return value, grads, dataclasses.replace(stats, verdict=verdict)
 
 

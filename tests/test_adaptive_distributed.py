@@ -4,6 +4,7 @@ nothing else reduces their statistics."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -75,8 +76,8 @@ def test_spmd_jit_sharded_batch_equals_single_device(mesh):
 
 
 @functools.cache
-def mapped_step(mesh, axis_name, check_vma):
-    tx = alj.adaptive_scaled(optax.sgd(0.1), SCALER, axis_name=axis_name)
+def mapped_step(mesh, axis_name, check_vma, scaler=SCALER):
+    tx = alj.adaptive_scaled(optax.sgd(0.1), scaler, axis_name=axis_name)
 
     def local(params, state, x, y):
         loss, grads, stats = alj.adaptive_value_and_grad(loss_fn)(state, params, x, y)
@@ -89,13 +90,13 @@ def mapped_step(mesh, axis_name, check_vma):
     return tx, jax.jit(f)
 
 
-def _per_device_scales(mesh, axis_name, check_vma):
+def _per_device_scales(mesh, axis_name, check_vma, scaler=SCALER):
     """Each device's batch shard has a different magnitude (2^d): local statistics differ
     by 7 binades."""
     xs, ys = _data(steps=1, batch=8 * N)
     x = xs[0] * np.repeat(2.0 ** np.arange(N), 8)[:, None].astype(np.float32)
     params = MODEL.init(jax.random.key(0), x)["params"]
-    tx, step = mapped_step(mesh, axis_name, check_vma)
+    tx, step = mapped_step(mesh, axis_name, check_vma, scaler)
     rep, dat = NamedSharding(mesh, P()), NamedSharding(mesh, P("data"))
     params, state = jax.device_put((params, tx.init(params)), rep)
     out = alj.scale_state(step(params, state, jax.device_put(x, dat),
@@ -103,22 +104,27 @@ def _per_device_scales(mesh, axis_name, check_vma):
     return params, x, ys[0], out
 
 
-@pytest.mark.parametrize("axis_name", [pytest.param("data", marks=pytest.mark.slow), None],
-                         ids=["axis_name", "no-axis_name"])
-def test_typed_shard_map_devices_agree_and_equal_one_device(mesh, axis_name):
+@pytest.mark.parametrize("axis_name,retries", [pytest.param("data", 0, marks=pytest.mark.slow),
+                                               (None, 0), (None, 4)],
+                         ids=["axis_name", "no-axis_name", "no-axis_name-retries"])
+def test_typed_shard_map_devices_agree_and_equal_one_device(mesh, axis_name, retries):
     """With ``check_vma`` (the default) JAX types every cotangent as varying over the
     mapped axis: the scale points reduce their statistics over it and the gradient of a
     replicated parameter is summed over the devices, so the devices agree even without
-    ``axis_name``, on the scales one device picks for the whole batch."""
-    params, x, y, ad = _per_device_scales(mesh, axis_name, check_vma=True)
+    ``axis_name``, on the scales one device picks for the whole batch. With retries the
+    state carried through the retry loop is typed as varying, and so is each same-step
+    choice made from it: it is handed back to its token's primal reduced over the map."""
+    scaler = SCALER if not retries else dataclasses.replace(SCALER, retries=retries)
+    params, x, y, ad = _per_device_scales(mesh, axis_name, check_vma=True, scaler=scaler)
     for g in ad.groups:
         v = np.asarray(ad.log2_scales[g])
         assert np.all(v == v[0]), g
     # One device on the whole batch, with the loss as shard_map sums it (8 local means).
     summed = lambda p, x, y: loss_fn(p, x, y) * N
-    state = TX.init(params)
+    tx = TX if not retries else alj.adaptive_scaled(optax.adam(1e-2), scaler)
+    state = tx.init(params)
     _, grads, stats = jax.jit(alj.adaptive_value_and_grad(summed))(state, params, x, y)
-    single = alj.scale_state(TX.update(grads, state, params, scale_stats=stats)[1])
+    single = alj.scale_state(tx.update(grads, state, params, scale_stats=stats)[1])
     for g in ad.groups:
         assert float(np.asarray(ad.log2_scales[g])[0]) == float(single.log2_scales[g]), g
 

@@ -24,6 +24,12 @@ def test_an_anchor_set_is_at_the_min_of_its_groups_and_a_pair_converts_by_their_
     assert (("c",), ("c",)) not in ratios  # nothing to convert
 
 
+def test_a_shard_maps_manual_axes_are_read_under_either_parameter_name():
+    assert _apply._manual_axes({"newly_manual_axes": frozenset({"data"})}) == {"data"}
+    assert _apply._manual_axes({"manual_axes": ("x", "y")}) == {"x", "y"}  # older jax
+    assert _apply._manual_axes({}) == frozenset()
+
+
 def test_anchors_that_vary_by_layer_are_a_vector_over_the_layers():
     names = ("", *layers("s", 3))
     used = GroupVector(names, jnp.array([0.0, 4.0, 1.0, 9.0]), split=True)

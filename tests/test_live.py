@@ -931,3 +931,27 @@ def test_a_residual_streams_fan_in_decides_and_stays_exact_under_transformations
     got, new_state, _ = step(state, params, x, jnp.zeros(()))
     assert bool(new_state[0].base.last_applied)
     assert_fp32_trees_close(got, jax.grad(loss)(params, x))
+
+
+def test_a_jitted_group_called_twice_shares_one_plan_and_stays_exact():
+    """One ``jax.jit`` of a ``scale_group`` called twice on the same shapes: jit traces
+    it once, so the walk meets the same recorded points at two call sites, and both
+    calls run on one plan (their sides joined). Whatever the prior scales, the fp32
+    gradients are jax.grad's, and the group is measured (both calls' rows reach it)."""
+    block = jax.jit(alj.scale_group("block")(lambda p, h: jnp.tanh(h @ p["w"])))
+    head = alj.scale_group("head")(lambda p, h: h @ p["w"])
+    k1, k2 = jax.random.split(jax.random.key(5))
+    params = {"block": {"w": jax.random.normal(k1, (8, 8)) / 8**0.5},
+              "head": {"w": jax.random.normal(k2, (8, 4)) / 8**0.5}}
+    x = jax.random.normal(jax.random.key(6), (8, 8))
+
+    def loss(p, x, y=None):
+        return jnp.mean(head(p["head"], block(p["block"], block(p["block"], x))) ** 2)
+
+    scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0)
+    step, state = _grads_through(scaler, loss, params, (x,), {"": 5, "block": -7,
+                                                              "head": 11})
+    got, new_state, stats = step(state, params, x, jnp.zeros(()))
+    assert bool(new_state[0].base.last_applied)
+    assert float(stats.amax["block"]) > 0
+    assert_fp32_trees_close(got, jax.grad(loss)(params, x))

@@ -17,10 +17,10 @@ from adaloss_jax import _formats, _tree, _validation
 STATISTICS = ("amax", "gaussian", "quantile")
 GROUPINGS = ("global", "module")
 # Per module, the binades a step may run below its scale and still be applied, by the
-# format: the most a step computed that far below flushed at most 1% more on every
-# bench task measured (docs/results.md, section 4: float16 17, e5m2 10), and so the
-# most a first same-step choice keeps free for the sums inside its module. Elsewhere,
-# and never less: the step after one backoff, log2(factor) + 1.
+# format: about as far below as a step flushed at most 1% more on every bench task
+# measured (docs/results.md, section 4), and so the most a first same-step choice
+# keeps free for the sums inside its module. Elsewhere, and never less: the step after
+# one backoff, log2(factor) + 1.
 _MODULE_RISE = {"float16": 16, "float8_e5m2": 10}
 
 

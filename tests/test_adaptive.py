@@ -765,8 +765,8 @@ def test_default_margin_depends_on_the_format_range(dtype, margin):
     ("float16", 16), ("float8_e5m2", 10), ("float8_e4m3fn", 5),
 ], ids=["fp16", "e5m2", "e4m3"])
 def test_default_max_rise_per_module_depends_on_the_format(dtype, module_rise):
-    # Per module, as far below its scale as a step flushed at most 1% more on every bench
-    # task (fp16 17, e5m2 10: docs/results.md, section 4); one global scale, and e4m3,
+    # Per module, about as far below its scale as a step flushed at most 1% more on every
+    # bench task (docs/results.md, section 4); one global scale, and e4m3,
     # apply the step after one backoff (log2(16) + 1), and so does any per-module
     # default with a larger factor.
     assert alj.adaptive(grad_dtype=dtype, groups="module").max_rise == module_rise

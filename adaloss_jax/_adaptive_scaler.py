@@ -116,8 +116,8 @@ class AdaptiveScale:
         most 1% more than at its scale on every task measured (``docs/results.md``,
         section 4), and a first same-step choice keeps up to ``max_rise`` binades free
         for the sums inside its module (a kernel's over every token: in e5m2, whose
-        largest value is float16's, a kernel's gradient summed in the model's float16
-        has no room above the cotangent's format).
+        largest value lies in float16's top binade, a kernel's gradient summed in the
+        model's float16 has almost no room above the cotangent's format).
       same_step: ``True`` (the default where ``groups="module"`` and
         ``statistic="amax"``; ``None`` resolves to it there, else to ``False``): each
         module's region of the backward stream chooses its

@@ -97,8 +97,9 @@ def test_a_scanned_gpt_whose_cotangents_flush_in_e4m3_skips_only_step_0():
     assert skipped == [0]
 
 
+@functools.cache
 def _warmup_models():
-    """``benchmarks/warmup_skips.py``'s models (the sweep's own)."""
+    """``benchmarks/warmup_skips.py``'s models (the sweep's own), loaded once."""
     import importlib.util
     import pathlib
 

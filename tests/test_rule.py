@@ -3,6 +3,7 @@ line of its pseudo-code, with no model and no backward pass."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -399,36 +400,50 @@ _N = 4  # the root and three module groups
 _RULE_EXAMPLES = 150 if __import__("os").environ.get("CI") else 40
 
 
+_ACCIDENTS = (None, "data", "forward")
+
+
 def _simulated(state, a, g, fmt, accident=None, starved=None, knows=None):
     """The statistics of one step of the hidden model at the state's scales (``starved``:
     the groups flagged starved, e.g. a consumer whose cotangent arrives as zeros;
     ``knows``: those of them told the largest value lost, its entry's
-    amax, as a cast's float32 side measures it)."""
+    amax, as a cast's float32 side measures it). ``accident``: one of ``_ACCIDENTS``
+    or its index (traced inside :func:`_trajectories`' scan). In jnp, exactly:
+    the scales and ``a`` are whole binades, so each amax is a power of two (``ldexp``)."""
     log2_max, log2_min = _FORMATS[fmt]
-    s = np.asarray(state.log2_scales.array, np.float64)
-    amax, bad = np.zeros(_N, np.float32), np.zeros(_N, bool)
-    hidden = False
-    for k in range(_N):
-        if hidden:
-            amax[k] = np.inf
-        elif s[k] + a[k] + g[k] > log2_max:
-            amax[k], bad[k], hidden = np.inf, True, True
-        elif s[k] + a[k] >= log2_min:
-            amax[k] = 2.0 ** (s[k] + a[k])
-    loss_finite = True
-    if accident == "data":  # a NaN in the batch: every group receives NaN, none is blamed
-        amax[:], bad[:] = np.inf, False
-    elif accident == "forward":
-        loss_finite = False
-    return _rule.Measured(active=jnp.ones(_N, bool), used=jnp.asarray(s, jnp.float32),
-                          amax=jnp.asarray(amax), bad=jnp.asarray(bad),
+    code = accident if hasattr(accident, "dtype") else _ACCIDENTS.index(accident)
+    s = state.log2_scales.array.astype(jnp.float32)
+    a, g = jnp.asarray(a, jnp.float32), jnp.asarray(g, jnp.float32)
+    over = s + a + g > log2_max
+    hidden = jnp.cumsum(over) - over > 0  # an earlier group overflowed: non-finite here
+    exact = jnp.ldexp(jnp.float32(1.0), jnp.round(s + a).astype(jnp.int32))
+    amax = jnp.where(over | hidden, jnp.inf, jnp.where(s + a >= log2_min, exact, 0.0))
+    bad = over & ~hidden
+    data = jnp.asarray(code) == 1  # a NaN in the batch: every group receives NaN, none
+    amax, bad = jnp.where(data, jnp.inf, amax), bad & ~data  # is blamed
+    starved = None if starved is None else jnp.asarray(starved)
+    return _rule.Measured(active=jnp.ones(_N, bool), used=s, amax=amax, bad=bad,
                           param_nonfinite=jnp.zeros(_N, bool),
-                          grads_finite=jnp.asarray(bool(np.all(np.isfinite(amax)))),
-                          loss_finite=jnp.asarray(loss_finite),
-                          starved=None if starved is None else jnp.asarray(starved),
+                          grads_finite=jnp.all(jnp.isfinite(amax)),
+                          loss_finite=jnp.asarray(code) != 2,  # a forward overflow
+                          starved=starved,
                           lost_amax=None if knows is None else jnp.where(
-                              jnp.asarray(starved) & jnp.asarray(knows),
-                              jnp.asarray(a, jnp.float32), -INF))
+                              starved & jnp.asarray(knows), a, -INF))
+
+
+@functools.cache
+def _trajectories(fmt):
+    """One compiled run of the rule on the hidden model, a step per accident code (shared
+    by every example): per step the scales used, the groups blamed, whether the step
+    was applied and whether every next scale is finite."""
+    def run(state, a, g, codes, starved, knows):
+        def step(state, code):
+            m = _simulated(state, a, g, fmt, code, starved, knows)
+            state = _rule.adjust(state, m)
+            return state, (m.used, m.bad, state.last_applied,
+                           jnp.all(jnp.isfinite(state.log2_scales.array)))
+        return jax.lax.scan(step, state, jnp.asarray(codes, jnp.int32))[1]
+    return jax.jit(run)
 
 
 def _random_state(data, fmt):
@@ -479,27 +494,22 @@ def test_from_any_state_the_rule_applies_a_step_soon_and_never_returns_to_an_ove
                                    min_size=60, max_size=60), label="accidents")
     starved = data.draw(st.lists(st.booleans(), min_size=_N, max_size=_N), label="starved")
     knows = data.draw(st.lists(st.booleans(), min_size=_N, max_size=_N), label="knows")
-    adjust_ = _adjust_for(fmt)
+    used, bad, applied, finite = (np.asarray(x) for x in _trajectories(fmt)(
+        state, a, g, [_ACCIDENTS.index(x) for x in accidents], starved, knows))
+    assert np.all(used == np.round(used))  # whole binades (_simulated's amax is exact)
     # Scales drawn up to 48 binades above any that fits, backing off log2(factor) = 4
     # a step, then a step or two to learn headroom: 16 (the most seen in 1500 examples: 13).
     bound = 16
-    since, worst = 0, 0
-    overflowed_at = [math.inf] * _N
-    for accident in accidents:
-        m = _simulated(state, a, g, fmt, accident, starved, knows)
-        used = np.asarray(m.used)
-        for k in range(_N):
-            if accident is None:
-                assert used[k] < overflowed_at[k], (k, used, overflowed_at, a, g)
-            if bool(m.bad[k]) and accident is None:
-                overflowed_at[k] = min(overflowed_at[k], used[k])
-        state = adjust_(state, m)
+    since = 0
+    overflowed_at = np.full(_N, np.inf)
+    for i, accident in enumerate(accidents):
         if accident is not None:
             continue
-        since = 0 if bool(state.last_applied) else since + 1
-        worst = max(worst, since)
+        assert np.all(used[i] < overflowed_at), (i, used[i], overflowed_at, a, g)
+        overflowed_at = np.where(bad[i], np.minimum(overflowed_at, used[i]), overflowed_at)
+        since = 0 if applied[i] else since + 1
         assert since <= bound, (since, a, g, margin)
-        assert np.all(np.isfinite(np.asarray(state.log2_scales.array)))
+        assert finite[i]
 
 
 def test_a_blind_jump_lifted_by_the_floor_does_not_return_to_an_overflow():

@@ -89,6 +89,8 @@ def check_gradients(
     ...                              jnp.ones((2, 4)))
     >>> report.disagreeing
     []
+    >>> [(r["name"], r["group"], r["scale"]) for r in report.rows]
+    [('dense/w', 'dense', 1024.0)]
 
     Note: ``rtol`` also catches plain fp16 rounding: a leaf can show a few percent of
     relative error with no underflow and ample headroom, the same at any power-of-two

@@ -63,6 +63,19 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "a nested jaxpr's constants joined to its equation's region: the walk of its body "
         "with that region as its blob joins every variable an equation there reads, "
         "constants included, and a constant nothing reads belongs to no region"),
+    "adaloss_jax._grad.x__limits__mutmut_24": (
+        "+        cols = table[:, jnp.asarray([names.index(g) for g in a], )]",
+        "an anchor set is never empty, so the indices are Python ints, which jnp.asarray "
+        "makes int32 (jax_enable_x64 off, as the library runs; int64 with it on, as "
+        "good an index)"),
+    "adaloss_jax._stream.xǁ_Walkerǁwalk__mutmut_137": (
+        "+        self.union(*ins, *outs)",
+        "outside a blob the representative is one of the equation's own variables, "
+        "joined either way; inside one, the blob's inputs, constants and outputs are "
+        "joined to it, every equation there joins what it reads and writes (plain ones "
+        "with the blob, nested ones among themselves), so a nested equation's variables "
+        "reach the blob through its inputs or its readers, and an output read by nothing "
+        "belongs to no region that matters"),
 }
 
 

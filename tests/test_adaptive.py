@@ -263,20 +263,24 @@ def test_global_mode_has_one_group_and_matches_fp32():
     assert_fp32_trees_close(got, ref)
 
 
-def test_global_mode_on_a_loss_without_modules_measures_its_gradients():
+@pytest.mark.parametrize("statistic", ["amax", "gaussian", "quantile"])
+def test_global_mode_on_a_loss_without_modules_measures_its_gradients(statistic):
     """One global scale needs no module: a plain function of its parameters (no
     ``scale_group``, nothing for the backward pass to measure at a point) is measured by
-    its gradients alone, and its step is fp32's."""
+    its gradients alone, and its step is fp32's, whatever the statistic (each decodes
+    its empty statistics: no rows)."""
     w = jnp.asarray(np.random.default_rng(0).normal(size=(4, 3)), jnp.float32)
     x = jnp.asarray(np.random.default_rng(1).normal(size=(5, 4)), jnp.float32)
 
     def loss(p, x, y=None):
         return jnp.sum(jnp.tanh(x @ p["w"]) ** 2)
 
-    scaler = alj.adaptive(compute_dtype="float16", groups="global")
+    scaler = alj.adaptive(compute_dtype="float16", groups="global", statistic=statistic)
     step, state = _grads_through(scaler, loss, {"w": w}, (x,), {"": 5})
     got, new, stats = step(state, {"w": w}, x, jnp.zeros(()))
     assert float(stats.amax[""]) == 0.0  # (no point measured anything)
+    if statistic == "quantile":
+        assert not np.asarray(stats.hist.array).any()
     assert bool(new[0].base.last_applied)
     assert float(new[0].log2_amax[""]) > -math.inf  # the gradients were
     assert_fp32_trees_close(got, jax.grad(loss)({"w": w}, x))
@@ -439,6 +443,8 @@ def test_check_mode_names_disagreeing_leaves():
     assert len(report.rows) == len(jax.tree_util.tree_leaves(params))
     assert "all leaves within rtol" in str(report)
     assert all(r["name"] in str(report) for r in report.rows)  # (its table: a row each)
+    assert [r["group"] for r in report.rows] == [r["name"].rsplit("/", 1)[0]
+                                                 for r in report.rows]  # (a module each)
     again = alj.diagnostics.check_gradients(loss16, loss32, state, params, *batch)
     assert again.rows == report.rows
     assert alj._check._compiled(loss16, loss32, scaler)._cache_size() == 1  # one compile

@@ -114,14 +114,14 @@ def test_typed_shard_map_devices_agree_and_equal_one_device(mesh, axis_name, ret
     ``axis_name``, on the scales one device picks for the whole batch. With retries the
     state carried through the retry loop is typed as varying, and so is each same-step
     choice made from it: it is handed back to its token's primal reduced over the map."""
-    scaler = SCALER if not retries else dataclasses.replace(SCALER, retries=retries)
+    scaler = dataclasses.replace(SCALER, retries=retries)
     params, x, y, ad = _per_device_scales(mesh, axis_name, check_vma=True, scaler=scaler)
     for g in ad.groups:
         v = np.asarray(ad.log2_scales[g])
         assert np.all(v == v[0]), g
     # One device on the whole batch, with the loss as shard_map sums it (8 local means).
     summed = lambda p, x, y: loss_fn(p, x, y) * N
-    tx = TX if not retries else alj.adaptive_scaled(optax.adam(1e-2), scaler)
+    tx = alj.adaptive_scaled(optax.adam(1e-2), scaler)
     state = tx.init(params)
     _, grads, stats = jax.jit(alj.adaptive_value_and_grad(summed))(state, params, x, y)
     single = alj.scale_state(tx.update(grads, state, params, scale_stats=stats)[1])

@@ -20,6 +20,7 @@ way.
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from typing import Any, NamedTuple
@@ -85,8 +86,8 @@ class Program:
     def _live(self) -> _live.Live:
         """The regions that choose their scale in the backward pass (:mod:`_live`).
 
-        A point's place is its *scope* (the ``checkpoint`` body or ``cond`` branch it
-        is evaluated in; a nested ``jit`` is inlined, so it is no scope of its own) and
+        A point's place is its *scope* (the ``cond`` branch it is evaluated in; a nested
+        ``jit`` or ``checkpoint`` body is no scope of its own: :meth:`_checkpoint`) and
         its position there; points inside a scan or a ``shard_map`` of the loss have
         none (their backward pass runs per iteration or per device)."""
         every = [((s.n, s.pair), s.pair, s.cfg.convert) for s in self.sites()]
@@ -101,9 +102,9 @@ class Program:
                     out.extend(((s.n, s.pair), (scope, at)) for s in self._point_sites(eqn))
                 elif kind == _jaxpr.PARAMS:
                     params_at.append((scope, at))
-                elif kind == _jaxpr.INLINE:
+                elif kind in (_jaxpr.INLINE, _jaxpr.REMAT):
                     walk(_jaxpr.subprograms(eqn)[0].jaxpr, scope, at, out)
-                elif kind in (_jaxpr.REMAT, _jaxpr.COND):
+                elif kind == _jaxpr.COND:
                     for b, sub in enumerate(_jaxpr.subprograms(eqn)):
                         walk(sub.jaxpr, scope + ((id(eqn), b),), (), out)
                 elif kind == _jaxpr.SCAN and id(eqn) in self.plan.scans:
@@ -341,9 +342,8 @@ class Program:
         if kind == _jaxpr.INLINE:  # (inlined: the same scope, its tokens too)
             sub = subs[0]
             return self._eval(sub.jaxpr, sub.consts, list(ins), blocks[0], ratios, live)
-        if kind == _jaxpr.REMAT:  # a scope of its own: its tokens stay inside
-            return jax.checkpoint(body(0, live), prevent_cse=p["prevent_cse"],
-                                  policy=p["policy"])(*ins)
+        if kind == _jaxpr.REMAT:
+            return self._checkpoint(p, ins, subs[0], blocks[0], ratios, live)
         if kind == _jaxpr.COND:
             return jax.lax.switch(ins[0], [body(i, live) for i in range(len(subs))],
                                   *ins[1:])
@@ -351,6 +351,30 @@ class Program:
             return self._shard_map(p, ins, subs[0], blocks[0], ratios)
         assert kind == _jaxpr.SCAN, kind
         return self._scan(eqn, ins, subs[0], blocks[0], ratios, live)
+
+    def _checkpoint(self, p, ins, sub, block, ratios, live=None) -> list:
+        """Rebuilt with the same policy. Its body is in the scope around it: the tokens
+        emitted so far enter it as inputs (a decider inside takes them) and those it
+        emits or leaves come out as outputs (a decider after it takes them), so each
+        choice's cotangent crosses the checkpoint like any other."""
+        remat = functools.partial(jax.checkpoint, prevent_cse=p["prevent_cse"],
+                                  policy=p["policy"])
+        if live is None:
+            return remat(lambda *a: self._eval(sub.jaxpr, sub.consts, list(a), block,
+                                               ratios))(*ins)
+        shape_in = [(g, len(ts)) for g, ts in live.tokens.items()]
+        shape_out: list = []
+
+        def body(args, flat):
+            ctx = live._replace(tokens=_unflatten(flat, shape_in))
+            outs = self._eval(sub.jaxpr, sub.consts, list(args), block, ratios, ctx)
+            shape_out[:] = [(g, len(ts)) for g, ts in ctx.tokens.items()]
+            return outs, [t for ts in ctx.tokens.values() for t in ts]
+
+        outs, flat = remat(body)(list(ins), [t for ts in live.tokens.values() for t in ts])
+        live.tokens.clear()
+        live.tokens.update(_unflatten(flat, shape_out))
+        return outs
 
     def _shard_map(self, p, ins, sub, block, ratios) -> list:
         """Rebuilt with the same specs; each row's dummy enters split over the devices
@@ -431,6 +455,15 @@ class _LiveContext(NamedTuple):
     inputs: dict  # live group -> (limits, chosen)
     axes: tuple  # the optimizer's bound mapped axis: deciders agree over it
     tokens: dict  # live group -> the tokens emitted for it so far
+
+
+def _unflatten(flat: Sequence, shape: Sequence[tuple]) -> dict:
+    """Tokens by group from their flat list: ``shape`` lists ``(group, count)`` in
+    order."""
+    tokens, at = {}, 0
+    for g, n in shape:
+        tokens[g], at = list(flat[at:at + n]), at + n
+    return tokens
 
 
 def _varies(pair) -> bool:

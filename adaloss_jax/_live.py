@@ -18,7 +18,7 @@ backward pass can set its scale where the cotangent enters it::
                     decides at the last of them in the forward order, as a module
                     called twice), and its decider and whole border sit
                     in one scope of the recorded program (its top level with nested jits
-                    inlined, or one checkpoint body or cond branch), each met once (not
+                    and checkpoint bodies inlined, or one cond branch), each met once (not
                     inside a scan or shard_map of the loss: there a point's backward
                     pass runs per iteration or device), the decider strictly after the
                     rest
@@ -230,9 +230,9 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
         met twice, in a jaxpr evaluated twice, is listed twice), ``pair`` its ``(x
         anchors, y anchors)``.
       top: ``(key, (scope, position))`` of the sites that may decide or receive a
-        choice: ``scope`` the ``checkpoint`` body or ``cond`` branch they are evaluated
-        in (``()``: the top level), ``position`` their place there in the forward
-        order.
+        choice: ``scope`` the ``cond`` branch they are evaluated in (``()``: the top
+        level; a nested ``jit`` or ``checkpoint`` body is in the scope around it),
+        ``position`` their place there in the forward order.
       params: per floating parameter leaf, ``None`` or the ``(own, uses)`` anchors its
         conversion goes between.
       params_order: the ``(scope, position)`` of the parameter point (``None``: none).

@@ -53,6 +53,18 @@ MUTATIONS = {
         "carried = [jnp.zeros((), jnp.float32)]",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a scanned chain's layer reads the next layer's planned scale, not its choice"),
+    "same-step-checkpoint-tokens-kept-inside": (
+        "adaloss_jax/_apply.py",
+        "            shape_out[:] = [(g, len(ts)) for g, ts in ctx.tokens.items()]",
+        "            shape_out[:] = [(g, 0) for g in ctx.tokens]",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "tokens emitted inside a checkpoint body never reach a decider after it"),
+    "same-step-checkpoint-tokens-left-out": (
+        "adaloss_jax/_apply.py",
+        "        shape_in = [(g, len(ts)) for g, ts in live.tokens.items()]",
+        "        shape_in = [(g, 0) for g in live.tokens]",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "tokens emitted before a checkpoint body never reach a decider in it or after it"),
     "same-step-layer-regions-planned": (
         "adaloss_jax/_live.py",
         "            found = _inside(scan, every, params, counts)",

@@ -12,7 +12,9 @@ statistics and any skipped step is the scale rule's doing:
   ``tied`` (3 pre-norm MLP blocks on token embeddings, the embedding also the output
   layer through ``Embed.attend``), ``residual`` (six Dense layers on a residual stream),
   ``growing`` (four Dense layers on a residual stream, each branch x 4, so the stream's
-  cotangent grows several binades a layer), all fp16 compute.
+  cotangent grows several binades a layer), ``remat`` (three residual blocks of two
+  Dense layers, each block under ``nn.remat``), ``remat-scan`` (six tanh Dense layers,
+  one ``nn.scan`` of an ``nn.remat`` layer), all fp16 compute.
 
 For each: fp16 and e4m3 cotangents (``simulate=True``; ``--formats`` adds e5m2), per
 module and one global scale,
@@ -115,8 +117,44 @@ class _Growing(nn.Module):
         return nn.Dense(10, dtype=jnp.float16)(x)
 
 
+class _RematBlock(nn.Module):
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.Dense(32, dtype=jnp.float16)(nn.relu(nn.Dense(32, dtype=jnp.float16)(x)))
+
+
+class _Remat(nn.Module):
+    """Three residual blocks, each under ``nn.remat``: the stream's readers are each in
+    a checkpoint body of its own."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, dtype=jnp.float16)(x.reshape(x.shape[0], -1))
+        for _ in range(3):
+            x = nn.remat(_RematBlock)()(x)
+        return nn.Dense(10, dtype=jnp.float16)(x)
+
+
+class _TanhLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return nn.tanh(nn.Dense(32, dtype=jnp.float16)(x)), None
+
+
+class _RematScan(nn.Module):
+    """Six tanh Dense layers as one ``nn.scan`` of an ``nn.remat`` layer (a chain whose
+    every layer is a checkpoint body inside the scan's)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, dtype=jnp.float16)(x.reshape(x.shape[0], -1))
+        stack = nn.scan(nn.remat(_TanhLayer), variable_axes={"params": 0},
+                        split_rngs={"params": True}, length=6)
+        return nn.Dense(10, dtype=jnp.float16)(stack()(x, None)[0])
+
+
 _SWEEP = {"cnn": _CNN, "deepsig": _DeepSigmoid, "residual": _Residual,
-          "growing": _Growing}
+          "growing": _Growing, "remat": _Remat, "remat-scan": _RematScan}
 TASKS = ("attn5", "gpt6", "gpt6-scan", "tied", *_SWEEP)
 
 

@@ -201,7 +201,7 @@ def test_regions_the_backward_pass_cannot_decide_keep_the_plan(case):
         top.append(("late", _at(5)))
     elif case == "border nested":  # a border point inside a scan or shard_map
         every.append(_site("inner", ("x", "y"), ("g",)))
-    elif case == "border in another scope":  # inside a checkpoint the decider is not in
+    elif case == "border in another scope":  # inside a cond branch the decider is not in
         every.append(_site("inner", ("x", "y"), ("g",)))
         top.append(("inner", _at(0, scope=((7, 0),))))
     elif case == "met twice":  # the decider in a jaxpr evaluated twice
@@ -334,8 +334,8 @@ def test_a_scanned_stack_chooses_each_layers_scale_as_its_unrolled_twin(
     hand, the next layer's choice reaching it through the scan's carry: its scales,
     statistics and gradients are its unrolled twin's, whatever the prior scales, and
     unscale to fp32's; also where each layer adds its input back (the fan-in is inside
-    the layer). A layer under remat (its exit in a scope of its own) keeps the plan, and
-    so does its twin's."""
+    the layer), and where each layer is under remat (its body in the scope around it,
+    the tokens crossing the checkpoint as its inputs and outputs)."""
     _check_twin(3, residual, reverse, False, remat, [0, 3, -2, 9, 1, 5], SAME_STEP)
 
 
@@ -365,10 +365,12 @@ def test_a_stack_whose_every_output_is_read_keeps_the_plan_and_stays_exact(rever
     assert_fp32_trees_close(u, grad(p, x))
 
 
-def test_a_chain_decides_every_layer_and_the_stacks_consumer():
+@pytest.mark.parametrize("remat", [False, True])
+def test_a_chain_decides_every_layer_and_the_stacks_consumer(remat):
     """From the default initial scales, every layer of the chain and the head after it
-    move to the scale their cotangents call for in the first step."""
-    (tx, scanned), _, _ = _stack_losses(3, False, False, False, jnp.float32, False,
+    move to the scale their cotangents call for in the first step; also with each
+    layer under remat."""
+    (tx, scanned), _, _ = _stack_losses(3, False, False, False, jnp.float32, remat,
                                         SAME_STEP)
     p = _stack_params(3)
     x = jax.random.normal(jax.random.key(1), (4, 8))
@@ -915,22 +917,76 @@ def _residual_stream(around, inside):
 def test_a_residual_streams_fan_in_decides_and_stays_exact_under_transformations(
         around, inside):
     """The stream decides at its last reader where its whole border is in one scope: a
-    vmap, jit or checkpoint around the model, or a jit or vmap around each layer (jits
-    inlined, a vmap's points met once); a cond or shard_map around it, or each layer in
-    its own checkpoint body or cond branch, keeps the plan. Either way, whatever the
-    prior scales, the fp32 gradients are jax.grad's."""
+    vmap, jit or checkpoint around the model, or a jit, checkpoint or vmap around each
+    layer (jits and checkpoint bodies in the scope around them, a vmap's points met
+    once); a cond or shard_map around it, or each layer in its own cond branch, keeps
+    the plan. Either way, whatever the prior scales, the fp32 gradients are
+    jax.grad's."""
     params, loss = _residual_stream(around, inside)
     x = jax.random.normal(jax.random.key(4), (8, 8))
     scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0)
     _, program, _ = alj._grad.trace(loss, scaler, params, (x,), {})
-    planned = around in ("cond", "shard_map", "shard_map_untyped") or inside in ("remat",
-                                                                                  "cond")
+    planned = around in ("cond", "shard_map", "shard_map_untyped") or inside == "cond"
     assert program.live.fanins == (() if planned else (("head", "r0", "r1", "r2"),))
     step, state = _grads_through(scaler, loss, params, (x,), {
         "": 5, "r0": -6, "r1": 9, "r2": 2, "head": 12})
     got, new_state, _ = step(state, params, x, jnp.zeros(()))
     assert bool(new_state[0].base.last_applied)
     assert_fp32_trees_close(got, jax.grad(loss)(params, x))
+
+
+def _remat_loss(case):
+    """A loss whose modules sit in ``jax.checkpoint`` bodies, in one of several shapes."""
+    g = lambda n, f=jnp.tanh: alj.scale_group(n)(lambda p, x: f(x @ p["w"]))  # noqa: E731
+    a, b, c, h = g("a"), g("b"), g("c"), g("h", lambda v: v)
+    ck = jax.checkpoint
+
+    def model(p, z):
+        if case == "nested":  # a residual stream across two nested bodies
+            inner = ck(lambda z: z + c(p["c"], z))
+            return ck(lambda z: inner(z + b(p["b"], z)))(z)
+        if case == "policy":  # a policy that saves the dots
+            body = ck(lambda z: z + c(p["c"], b(p["b"], z)),
+                      policy=jax.checkpoint_policies.dots_saveable)
+            return body(z) + z
+        if case == "cond inside":
+            return ck(lambda z: jax.lax.cond(jnp.sum(z) > -1e9, lambda z: z + b(p["b"], z),
+                                             lambda z: z, z))(z)
+        if case == "decider inside":  # z read by b before the body and by c in it
+            w = b(p["b"], z)
+            return ck(lambda z, w: c(p["c"], z) + w)(z, w)
+        body = ck(lambda z, w: z + b(w, z))  # "called twice": one body traced twice
+        return body(body(z, p["b"]), p["b"])
+
+    def loss(p, x, y=None):
+        return jnp.mean(h(p["h"], model(p, a(p["a"], x))) ** 2)
+
+    return loss
+
+
+@pytest.mark.parametrize("case,live,fanins", [
+    ("nested", "abch", 1), ("policy", "abch", 1), ("cond inside", "abh", 0),
+    ("decider inside", "abch", 1), ("called twice", "ah", 0)])
+def test_modules_in_checkpoint_bodies_decide_and_stay_exact(case, live, fanins):
+    """A checkpoint body is in the scope around it: its modules decide in the pass, the
+    tokens crossing the body as inputs and outputs, whether nested, under a policy, a
+    decider inside the body with its border before it, or around a ``cond`` (whose
+    branch is a scope of its own). A body traced twice meets its points twice, and those
+    keep the plan. Whatever the prior scales, the fp32 gradients are jax.grad's."""
+    keys = jax.random.split(jax.random.key(7), 5)
+    params = {n: {"w": jax.random.normal(k, (8, 8)) / 8**0.5} for n, k in zip("abch", keys)}
+    x = jax.random.normal(keys[4], (16, 8))
+    loss = _remat_loss(case)
+    scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0)
+    _, program, _ = alj._grad.trace(loss, scaler, params, (x,), {})
+    assert set(program.live.groups) == set(live)
+    assert len(program.live.fanins) == fanins
+    for prior in ({"": 5, "a": -6, "b": 9, "c": 2, "h": 12},
+                  {"": -3, "a": 11, "b": -8, "c": 13, "h": 0}):
+        step, state = _grads_through(scaler, loss, params, (x,), prior)
+        got, new_state, _ = step(state, params, x, jnp.zeros(()))
+        assert bool(new_state[0].base.last_applied)
+        assert_fp32_trees_close(got, jax.grad(loss)(params, x))
 
 
 def test_a_jitted_group_called_twice_shares_one_plan_and_stays_exact():

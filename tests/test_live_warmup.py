@@ -147,6 +147,23 @@ def test_a_residual_stream_chooses_its_scale_in_the_pass_and_skips_nothing(model
     assert _warm_up_skips(m, x, y, grad_dtype, steps=4, loss_scale=2.0**-20) == []
 
 
+@pytest.mark.parametrize("model,grad_dtype,loss_log2", [
+    ("_Remat", "float8_e4m3fn", 0), ("_Remat", "float8_e5m2", 0),
+    ("_Remat", "float8_e4m3fn", -20), ("_RematScan", "float8_e5m2", -20)])
+def test_modules_under_remat_decide_in_the_pass_and_skip_nothing(model, grad_dtype,
+                                                                 loss_log2):
+    """The sweep's ``remat`` model (residual blocks each under ``nn.remat``: the
+    stream's readers sit in checkpoint bodies of their own) and ``remat-scan`` (a chain
+    of ``nn.remat`` layers in one ``nn.scan``). A checkpoint body is in the scope around
+    it (the tokens cross it as inputs and outputs), so the stream and the chain decide
+    in the pass and step 0 is applied (they ran at the plan, and step 0 was skipped,
+    steps 0-1 in e4m3 with the loss x 2^-20, while each body was a scope of its own)."""
+    x = jax.random.normal(jax.random.key(0), (64, 12, 12, 1))  # (the sweep's batch)
+    y = jax.random.randint(jax.random.key(1), (64,), 0, 10)
+    assert _warm_up_skips(getattr(_warmup_models(), model)(), x, y, grad_dtype, steps=3,
+                          loss_scale=2.0**loss_log2) == []
+
+
 @pytest.mark.parametrize("loss_log2", [0, -20])
 def test_a_stream_that_grows_below_its_decider_is_held_by_its_first_choice(loss_log2):
     """The sweep's ``growing`` model in e4m3: the stream's cotangent grows by more below
@@ -589,7 +606,8 @@ def test_the_loss_cast_is_measured_around_every_transformation(around, chunks):
     cast), whole or chunk by chunk in a ``scan``: the root's statistics of the first
     pass are the fp32 amax of the loss's cotangent at the cast (to fp16's rounding),
     however the model is wrapped. Where the root chooses its scale at the cast (one
-    cast, in the scope of the model's points: none, vmap and jit around the model)
+    cast, in the scope of the model's points: none, vmap, remat and jit around the
+    model)
     the cotangent is converted before it narrows and no module is starved; elsewhere
     every module, which received only zeros computed from it, is starved and told that
     value (lost_amax), which the rule keeps from flushing again."""
@@ -606,7 +624,7 @@ def test_the_loss_cast_is_measured_around_every_transformation(around, chunks):
     assert float(at_unit) == pytest.approx(want, abs=1e-3)
     modules = [g for g in stats.starved.names if g]
     assert modules
-    if chunks is None and around in ("none", "vmap", "jit"):
+    if chunks is None and around in ("none", "vmap", "remat", "jit"):
         assert not any(bool(stats.starved[g]) for g in stats.starved.names)
         return
     assert all(bool(stats.starved[g]) for g in modules)

@@ -441,10 +441,8 @@ def _typed_like(tree, types):
     """``tree`` with each leaf made varying over the manual axes (inside ``shard_map``)
     that the matching leaf of ``types`` varies over, as a loop's carry must be."""
 
-    def varying(x) -> frozenset:
-        t = getattr(x, "manual_axis_type", None)
-        if t is None:
-            t = getattr(jax.typeof(x), "manual_axis_type", None)
+    def varying(x) -> frozenset:  # (x: an array, or a ShapeDtypeStruct of eval_shape)
+        t = getattr(jax.typeof(x), "manual_axis_type", None)
         return frozenset(getattr(t, "varying", ()) or ())
 
     def cast(x, t):

@@ -43,6 +43,15 @@ SAMPLE = 100
 
 # name: (a line of the mutant's diff, why no test can tell it from the original)
 EQUIVALENT: dict[str, tuple[str, str]] = {
+    "adaloss_jax._decide.x_measured__mutmut_162": (
+        "+        count=over_devices(full(stats.count, 1.0, jnp.float32), jax.lax.psum,",
+        "a group absent from the step's statistics gets count 1 instead of 0: the rule reads "
+        "count only through max(count, 1) (_rule._gaussian), and an absent group keeps "
+        "its state"),
+    "adaloss_jax._rule.x__quantile__mutmut_8": (
+        "+    zero = jnp.zeros(hist.shape[:-1] + (1,), )",
+        "the default float dtype is float32 unless x64 is on; with x64 the cumulative "
+        "counts are promoted to float64, the same whole numbers, so the same quantile"),
     "adaloss_jax._jaxpr.x__label__mutmut_9": (
         '+    label = eqn.params.get("name", None)',
         "a jit equation without a name: the default, '' or None, is returned as '' by "

@@ -989,6 +989,25 @@ def test_modules_in_checkpoint_bodies_decide_and_stay_exact(case, live, fanins):
         assert_fp32_trees_close(got, jax.grad(loss)(params, x))
 
 
+@pytest.mark.parametrize("bound", ["max_loss_scale", "min_loss_scale"])
+def test_a_choice_in_the_pass_stays_within_the_scale_bounds(bound):
+    """A loss x 2^-20 calls for scales near 2^20 and one x 2^20 for scales near 2^-20;
+    every module that decides in the pass (the root keeps its plan: the loss's region is
+    its own) stays within ``[min_loss_scale, max_loss_scale]`` (2^-2 .. 2^4 here), as
+    the rule's scales do, and the gradients are still fp32's."""
+    params, loss = _residual_stream("none", "none")
+    tiny = 2.0**-20 if bound == "max_loss_scale" else 2.0**20
+    scaled = lambda p, x, y=None: loss(p, x) * tiny  # noqa: E731
+    x = jax.random.normal(jax.random.key(4), (8, 8))
+    scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0,
+                          min_loss_scale=2.0**-2, max_loss_scale=2.0**4, initial_scale=1.0)
+    step, state = _grads_through(scaler, scaled, params, (x,))
+    got, _, stats = step(state, params, x, jnp.zeros(()))
+    scales = {g: float(stats.log2_scales[g]) for g in stats.log2_scales.names if g}
+    assert set(scales.values()) == ({4.0} if bound == "max_loss_scale" else {-2.0}), scales
+    assert_fp32_trees_close(got, jax.grad(scaled)(params, x))
+
+
 def test_a_jitted_group_called_twice_shares_one_plan_and_stays_exact():
     """One ``jax.jit`` of a ``scale_group`` called twice on the same shapes: jit traces
     it once, so the walk meets the same recorded points at two call sites, and both

@@ -59,18 +59,32 @@ def test_a_fan_in_runs_at_every_consumer_scale():
     assert ("a", "b") in anchors or ("", "b") in anchors or any(len(t) > 1 for t in anchors)
 
 
-def test_a_parameter_passed_as_an_argument_passes_its_point_unmarked():
-    """A value computed from parameters alone (a slice, a cast) crossing a group's
-    boundary is a parameter: no row, no conversion at the point."""
+@pytest.mark.parametrize("how", ["slice", "scan"])
+def test_a_parameter_passed_as_an_argument_passes_its_point_unmarked(how):
+    """A value computed from parameters alone (a slice, a cast; or the first stacked
+    output of a scan over them, which no carry reaches, computed by a group called on a
+    constant) crossing a group's boundary is a parameter: no row, no conversion at the
+    point."""
     stacked = {"a": {"w": jnp.stack([jnp.eye(4)] * 2)}}
     owners = lambda path, m: "group" if path == ("a",) else "measure"
-    rec = _record.record(lambda p, x: jnp.sum(a({"w": p["a"]["w"][1].astype(jnp.float16)}, x)),
+
+    def weights(p):
+        if how == "slice":
+            return p["a"]["w"][1].astype(jnp.float16)
+        # (a scan with a point inside is walked, not one opaque equation: a's call on a
+        # constant there computes from parameters alone, and so does its output)
+        eye = jnp.eye(4, dtype=jnp.float16)
+        _, ws = jax.lax.scan(lambda c, w: (c + 1.0, a({"w": w.astype(jnp.float16)}, eye)),
+                             0.0, p["a"]["w"])
+        return ws[1]
+
+    rec = _record.record(lambda p, x: jnp.sum(a({"w": weights(p)}, x)),
                          stacked, (X,), {}, owners)
     plan = _stream.analyse(rec.closed.jaxpr, rec.sizes, ["a"])
-    first = plan.points[0]
-    assert rec.sizes[0] == 2  # the parameter slice and x cross a's input
-    assert first.x[0] is None and first.y[0] is None  # the slice passes unmarked
-    assert first.x[1] is not None
+    last = plan.points[-2]  # the input of a's last call (then its output)
+    assert rec.sizes[-2] == 2  # the parameter value and x cross it
+    assert last.x[0] is None and last.y[0] is None  # the parameter value passes unmarked
+    assert last.x[1] is not None
 
 
 @pytest.mark.parametrize("wrap", ["jit", "checkpoint", "cond"])

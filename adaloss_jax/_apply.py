@@ -86,10 +86,12 @@ class Program:
     def _live(self) -> _live.Live:
         """The regions that choose their scale in the backward pass (:mod:`_live`).
 
-        A point's place is its *scope* (the ``cond`` branch it is evaluated in; a nested
-        ``jit`` or ``checkpoint`` body is no scope of its own: :meth:`_checkpoint`) and
-        its position there; points inside a scan or a ``shard_map`` of the loss have
-        none (their backward pass runs per iteration or per device)."""
+        A point's place is its position in the forward order of the top level (a
+        nested ``jit``, ``checkpoint`` body or ``cond`` branch is in the scope around
+        it, the branches in order: :meth:`_checkpoint`, :meth:`_switch`); points inside
+        a scan or a ``shard_map`` of the loss have none (their backward pass runs per
+        iteration or per device), and a scan over a stack of layers orders its body's
+        points in a scope of their own."""
         every = [((s.n, s.pair), s.pair, s.cfg.convert) for s in self.sites()]
         top: list = []
         params_at: list = []
@@ -102,11 +104,9 @@ class Program:
                     out.extend(((s.n, s.pair), (scope, at)) for s in self._point_sites(eqn))
                 elif kind == _jaxpr.PARAMS:
                     params_at.append((scope, at))
-                elif kind in (_jaxpr.INLINE, _jaxpr.REMAT):
-                    walk(_jaxpr.subprograms(eqn)[0].jaxpr, scope, at, out)
-                elif kind == _jaxpr.COND:
+                elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.COND):
                     for b, sub in enumerate(_jaxpr.subprograms(eqn)):
-                        walk(sub.jaxpr, scope + ((id(eqn), b),), (), out)
+                        walk(sub.jaxpr, scope, at + (b,), out)
                 elif kind == _jaxpr.SCAN and id(eqn) in self.plan.scans:
                     body = _jaxpr.subprograms(eqn)[0].jaxpr
                     inner: list = []
@@ -334,19 +334,13 @@ class Program:
     def _higher_order(self, kind, eqn, ins, subs, blocks, ratios, live=None) -> list:
         p = eqn.params
 
-        def body(i, ctx=None):
-            sub = subs[i]
-            return lambda *a: self._eval(sub.jaxpr, sub.consts, list(a), blocks[i], ratios,
-                                         None if ctx is None else ctx._replace(tokens={}))
-
         if kind == _jaxpr.INLINE:  # (inlined: the same scope, its tokens too)
             sub = subs[0]
             return self._eval(sub.jaxpr, sub.consts, list(ins), blocks[0], ratios, live)
         if kind == _jaxpr.REMAT:
             return self._checkpoint(p, ins, subs[0], blocks[0], ratios, live)
         if kind == _jaxpr.COND:
-            return jax.lax.switch(ins[0], [body(i, live) for i in range(len(subs))],
-                                  *ins[1:])
+            return self._switch(ins, subs, blocks, ratios, live)
         if kind == _jaxpr.SHARD_MAP:
             return self._shard_map(p, ins, subs[0], blocks[0], ratios)
         assert kind == _jaxpr.SCAN, kind
@@ -362,18 +356,59 @@ class Program:
         if live is None:
             return remat(lambda *a: self._eval(sub.jaxpr, sub.consts, list(a), block,
                                                ratios))(*ins)
-        shape_in = [(g, len(ts)) for g, ts in live.tokens.items()]
+        shape_in, flat_in = _flatten(live.tokens)
         shape_out: list = []
 
         def body(args, flat):
             ctx = live._replace(tokens=_unflatten(flat, shape_in))
             outs = self._eval(sub.jaxpr, sub.consts, list(args), block, ratios, ctx)
-            shape_out[:] = [(g, len(ts)) for g, ts in ctx.tokens.items()]
-            return outs, [t for ts in ctx.tokens.values() for t in ts]
+            shape, flat_out = _flatten(ctx.tokens)
+            shape_out[:] = shape
+            return outs, flat_out
 
-        outs, flat = remat(body)(list(ins), [t for ts in live.tokens.values() for t in ts])
+        outs, flat = remat(body)(list(ins), flat_in)
         live.tokens.clear()
         live.tokens.update(_unflatten(flat, shape_out))
+        return outs
+
+    def _switch(self, ins, subs, blocks, ratios, live=None) -> list:
+        """Rebuilt as ``lax.switch``. Its branches are in the scope around it, as a
+        checkpoint body is: the tokens emitted so far enter every branch, and each
+        branch returns the tokens it emits or leaves, padded with zeros to the same
+        tokens as every other branch (a choice read from a zero token, or made by a
+        decider in a branch not taken, is no change from the plan on either side)."""
+        if live is None:
+            return jax.lax.switch(ins[0], [
+                (lambda *a, sub=sub, block=block: self._eval(sub.jaxpr, sub.consts, list(a),
+                                                             block, ratios))
+                for sub, block in zip(subs, blocks)], *ins[1:])
+        shape_in, flat_in = _flatten(live.tokens)
+
+        def run(i, args, flat, found=None):
+            ctx = live._replace(tokens=_unflatten(flat, shape_in))
+            outs = self._eval(subs[i].jaxpr, subs[i].consts, list(args), blocks[i], ratios,
+                              ctx)
+            if found is not None:  # (traced once first: which tokens the branch returns)
+                for g, ts in ctx.tokens.items():
+                    found[g] = max(found.get(g, 0), len(ts))
+            return outs, ctx.tokens
+
+        union: dict = {}
+        for i in range(len(subs)):
+            jax.eval_shape(lambda a, f, i=i: run(i, a, f, union)[0], list(ins[1:]), flat_in)
+
+        def branch(i):
+            def padded(args, flat):
+                outs, tokens = run(i, args, flat)
+                zero = jnp.zeros((), jnp.float32)
+                return outs, [t for g, n in union.items()
+                              for t in (list(tokens.get(g, ())) + [zero] * n)[:n]]
+            return padded
+
+        outs, flat = jax.lax.switch(ins[0], [branch(i) for i in range(len(subs))],
+                                    list(ins[1:]), flat_in)
+        live.tokens.clear()
+        live.tokens.update(_unflatten(flat, list(union.items())))
         return outs
 
     def _shard_map(self, p, ins, sub, block, ratios) -> list:
@@ -455,6 +490,13 @@ class _LiveContext(NamedTuple):
     inputs: dict  # live group -> (limits, chosen)
     axes: tuple  # the optimizer's bound mapped axis: deciders agree over it
     tokens: dict  # live group -> the tokens emitted for it so far
+
+
+def _flatten(tokens: dict) -> tuple[list, list]:
+    """Tokens by group as ``(shape, flat)``: ``(group, count)`` in order, and one list
+    (:func:`_unflatten` undoes it)."""
+    return ([(g, len(ts)) for g, ts in tokens.items()],
+            [t for ts in tokens.values() for t in ts])
 
 
 def _unflatten(flat: Sequence, shape: Sequence[tuple]) -> dict:

@@ -17,11 +17,15 @@ backward pass can set its scale where the cotangent enters it::
                     GPT's position embedding read on the residual stream, and it
                     decides at the last of them in the forward order, as a module
                     called twice), and its decider and whole border sit
-                    in one scope of the recorded program (its top level with nested jits
-                    and checkpoint bodies inlined, or one cond branch), each met once (not
-                    inside a scan or shard_map of the loss: there a point's backward
-                    pass runs per iteration or device), the decider strictly after the
-                    rest
+                    in one scope of the recorded program (its top level with nested jits,
+                    checkpoint bodies and cond branches inlined, a branch after the one
+                    before it), each met once (not inside a scan or shard_map of the
+                    loss: there a point's backward pass runs per iteration or device),
+                    the decider strictly after the rest
+
+A decider in a cond branch not taken never runs: its choice, read by every point of its
+border as a token's cotangent, is then zero, the plan, on every side (as for a module
+whose output reaches nothing).
 
 So a module called twice is decided at its second call, whose backward pass runs first;
 the first call's cotangent enters at that scale (an overflow there backs off as any).
@@ -230,8 +234,8 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
         met twice, in a jaxpr evaluated twice, is listed twice), ``pair`` its ``(x
         anchors, y anchors)``.
       top: ``(key, (scope, position))`` of the sites that may decide or receive a
-        choice: ``scope`` the ``cond`` branch they are evaluated in (``()``: the top
-        level; a nested ``jit`` or ``checkpoint`` body is in the scope around it),
+        choice: ``scope`` where they are evaluated (``()``: the top level, a nested
+        ``jit``, ``checkpoint`` body or ``cond`` branch in the scope around it),
         ``position`` their place there in the forward order.
       params: per floating parameter leaf, ``None`` or the ``(own, uses)`` anchors its
         conversion goes between.

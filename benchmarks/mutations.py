@@ -55,16 +55,23 @@ MUTATIONS = {
         "a scanned chain's layer reads the next layer's planned scale, not its choice"),
     "same-step-checkpoint-tokens-kept-inside": (
         "adaloss_jax/_apply.py",
-        "            shape_out[:] = [(g, len(ts)) for g, ts in ctx.tokens.items()]",
-        "            shape_out[:] = [(g, 0) for g in ctx.tokens]",
+        "            shape_out[:] = shape",
+        "            shape_out[:] = [(g, 0) for g, _ in shape]",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "tokens emitted inside a checkpoint body never reach a decider after it"),
-    "same-step-checkpoint-tokens-left-out": (
+    "same-step-tokens-left-out-of-bodies": (
         "adaloss_jax/_apply.py",
-        "        shape_in = [(g, len(ts)) for g, ts in live.tokens.items()]",
-        "        shape_in = [(g, 0) for g in live.tokens]",
+        "    return ([(g, len(ts)) for g, ts in tokens.items()],",
+        "    return ([(g, 0) for g in tokens],",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
-        "tokens emitted before a checkpoint body never reach a decider in it or after it"),
+        "tokens emitted before a checkpoint body or a cond never reach a decider in it "
+        "or after it"),
+    "same-step-switch-tokens-kept-inside": (
+        "adaloss_jax/_apply.py",
+        "        live.tokens.update(_unflatten(flat, list(union.items())))",
+        "        pass",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "tokens emitted in a cond's branches never reach a decider after it"),
     "same-step-layer-regions-planned": (
         "adaloss_jax/_live.py",
         "            found = _inside(scan, every, params, counts)",

@@ -201,7 +201,7 @@ def test_regions_the_backward_pass_cannot_decide_keep_the_plan(case):
         top.append(("late", _at(5)))
     elif case == "border nested":  # a border point inside a scan or shard_map
         every.append(_site("inner", ("x", "y"), ("g",)))
-    elif case == "border in another scope":  # inside a cond branch the decider is not in
+    elif case == "border in another scope":  # (a scan body's, where the decider is not)
         every.append(_site("inner", ("x", "y"), ("g",)))
         top.append(("inner", _at(0, scope=((7, 0),))))
     elif case == "met twice":  # the decider in a jaxpr evaluated twice
@@ -917,16 +917,15 @@ def _residual_stream(around, inside):
 def test_a_residual_streams_fan_in_decides_and_stays_exact_under_transformations(
         around, inside):
     """The stream decides at its last reader where its whole border is in one scope: a
-    vmap, jit or checkpoint around the model, or a jit, checkpoint or vmap around each
-    layer (jits and checkpoint bodies in the scope around them, a vmap's points met
-    once); a cond or shard_map around it, or each layer in its own cond branch, keeps
-    the plan. Either way, whatever the prior scales, the fp32 gradients are
-    jax.grad's."""
+    vmap, jit, checkpoint or cond around the model or around each layer (jits,
+    checkpoint bodies and cond branches in the scope around them, a vmap's points met
+    once); a shard_map around it keeps the plan. Either way, whatever the prior scales,
+    the fp32 gradients are jax.grad's."""
     params, loss = _residual_stream(around, inside)
     x = jax.random.normal(jax.random.key(4), (8, 8))
     scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0)
     _, program, _ = alj._grad.trace(loss, scaler, params, (x,), {})
-    planned = around in ("cond", "shard_map", "shard_map_untyped") or inside == "cond"
+    planned = around in ("shard_map", "shard_map_untyped")
     assert program.live.fanins == (() if planned else (("head", "r0", "r1", "r2"),))
     step, state = _grads_through(scaler, loss, params, (x,), {
         "": 5, "r0": -6, "r1": 9, "r2": 2, "head": 12})
@@ -952,6 +951,11 @@ def _remat_loss(case):
         if case == "cond inside":
             return ck(lambda z: jax.lax.cond(jnp.sum(z) > -1e9, lambda z: z + b(p["b"], z),
                                              lambda z: z, z))(z)
+        if case.startswith("switch"):  # b and c in both branches; the first or last taken
+            first = jnp.sum(z) > -1e9
+            index = jnp.where(first, 0, 1) if case.endswith("first") else jnp.where(first, 1, 0)
+            return jax.lax.switch(index, [lambda z: z + c(p["c"], b(p["b"], z)),
+                                          lambda z: z - c(p["c"], b(p["b"], z))], z)
         if case == "decider inside":  # z read by b before the body and by c in it
             w = b(p["b"], z)
             return ck(lambda z, w: c(p["c"], z) + w)(z, w)
@@ -965,14 +969,18 @@ def _remat_loss(case):
 
 
 @pytest.mark.parametrize("case,live,fanins", [
-    ("nested", "abch", 1), ("policy", "abch", 1), ("cond inside", "abh", 0),
-    ("decider inside", "abch", 1), ("called twice", "ah", 0)])
+    ("nested", "abch", 1), ("policy", "abch", 1), ("cond inside", "abh", 1),
+    ("decider inside", "abch", 1), ("called twice", "ah", 0),
+    ("switch, first taken", "abch", 1), ("switch, last taken", "abch", 1)])
 def test_modules_in_checkpoint_bodies_decide_and_stay_exact(case, live, fanins):
     """A checkpoint body is in the scope around it: its modules decide in the pass, the
     tokens crossing the body as inputs and outputs, whether nested, under a policy, a
-    decider inside the body with its border before it, or around a ``cond`` (whose
-    branch is a scope of its own). A body traced twice meets its points twice, and those
-    keep the plan. Whatever the prior scales, the fp32 gradients are jax.grad's."""
+    decider inside the body with its border before it, or around a ``cond`` (its
+    branches in the same scope too). A body traced twice meets its points twice, and
+    those keep the plan. A ``switch`` whose branches both call b and c: their regions
+    decide in the last branch, and where the first is taken they keep the plan (their
+    tokens' cotangents are zero), both exact. Whatever the prior scales, the fp32
+    gradients are jax.grad's."""
     keys = jax.random.split(jax.random.key(7), 5)
     params = {n: {"w": jax.random.normal(k, (8, 8)) / 8**0.5} for n, k in zip("abch", keys)}
     x = jax.random.normal(keys[4], (16, 8))

@@ -255,11 +255,13 @@ def _chunked(ce, chunks=4):
     return chunked
 
 
-def _switched(ce):
-    """``ce(logits, labels)`` in the branch a ``lax.cond`` takes; the other branch casts
-    too."""
-    return lambda logits, labels: jax.lax.cond(labels[0] >= 0, ce,
-                                               lambda *a: 2.0 * ce(*a), logits, labels)
+def _switched(ce, taken=1):
+    """``ce(logits, labels)`` in the branch a ``lax.switch`` takes (``taken``: the
+    last, or the first); the other branch casts too."""
+    other = lambda *a: 2.0 * ce(*a)  # noqa: E731
+    return lambda logits, labels: jax.lax.switch(
+        jnp.where(labels[0] >= 0, taken, 1 - taken), [ce, other] if taken == 0
+        else [other, ce], logits, labels)
 
 
 def _sharded(ce, check_vma=True):
@@ -279,6 +281,7 @@ _WRAPS = {
     "remat": lambda loss, ce: jax.checkpoint(loss),
     "scan-ce": lambda loss, ce: loss(ce=_chunked(ce)),  # cast in each chunk
     "cond-ce": lambda loss, ce: loss(ce=_switched(ce)),  # a cast in each branch
+    "cond-ce-first": lambda loss, ce: loss(ce=_switched(ce, taken=0)),
     "shard-ce": lambda loss, ce: loss(ce=_sharded(ce)),  # a cast on each device
     "shard-ce-untyped": lambda loss, ce: loss(ce=_sharded(ce, check_vma=False)),
 }
@@ -294,7 +297,9 @@ def test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows(wrap
     step 0 hold the fp32 amax at the cast. Where the cast and the model's points run in
     one scope (a nested ``jit`` is inlined; one checkpoint body around the whole loss)
     the root chooses its scale at the cast in step 0's backward pass, and no step is
-    skipped; where the cast runs per chunk, per device or per branch, the root's
+    skipped; so too in a ``cond``'s branches (in the scope around them), where the
+    root decides at the cast of the last branch, when that branch is taken; where the
+    cast runs per chunk or per device, or the first branch is taken, the root's
     regions keep the planned scale and only step 0 is skipped (with no point inside,
     the root measured nothing, jumped blind, and step 1 was skipped too; a branch not
     taken, whose row stays zero, starved the root, held its jump below its statistics,
@@ -321,7 +326,7 @@ def test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows(wrap
                               scaler=scaler)
     rec, _, _ = _grad_trace(loss_fn, scaler, params, x)
     assert [jnp.dtype(d).name for d in rec.casts.values()] == ["float16"] * (
-        2 if wrap == "cond-ce" else 1)
+        2 if wrap.startswith("cond-ce") else 1)
     step = jax.jit(lambda s: linen_train_step(s, loss_fn, x))
     logits = model.apply({"params": params}, x)
     want = float(jnp.log2(jnp.max(jnp.abs(jax.grad(ce)(logits.astype(jnp.float32))))))
@@ -334,7 +339,7 @@ def test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows(wrap
             assert float(st.log2_amax[""]) == pytest.approx(want, abs=1e-3)
         if not bool(st.last_applied):
             skipped.append(i)
-    assert skipped == ([] if wrap in ("jit", "jit-ce", "remat") else [0])
+    assert skipped == ([] if wrap in ("jit", "jit-ce", "remat", "cond-ce") else [0])
 
 
 def test_one_jitted_cross_entropy_called_twice_gets_a_point_per_call_and_stays_exact():
@@ -606,8 +611,8 @@ def test_the_loss_cast_is_measured_around_every_transformation(around, chunks):
     cast), whole or chunk by chunk in a ``scan``: the root's statistics of the first
     pass are the fp32 amax of the loss's cotangent at the cast (to fp16's rounding),
     however the model is wrapped. Where the root chooses its scale at the cast (one
-    cast, in the scope of the model's points: none, vmap, remat and jit around the
-    model)
+    cast, in the scope of the model's points: none, vmap, remat, jit and cond around
+    the model, the cond's taken branch the last)
     the cotangent is converted before it narrows and no module is starved; elsewhere
     every module, which received only zeros computed from it, is starved and told that
     value (lost_amax), which the rule keeps from flushing again."""
@@ -624,7 +629,7 @@ def test_the_loss_cast_is_measured_around_every_transformation(around, chunks):
     assert float(at_unit) == pytest.approx(want, abs=1e-3)
     modules = [g for g in stats.starved.names if g]
     assert modules
-    if chunks is None and around in ("none", "vmap", "remat", "jit"):
+    if chunks is None and around in ("none", "vmap", "remat", "jit", "cond"):
         assert not any(bool(stats.starved[g]) for g in stats.starved.names)
         return
     assert all(bool(stats.starved[g]) for g in modules)

@@ -913,14 +913,16 @@ def _residual_stream(around, inside):
 
 @pytest.mark.filterwarnings("ignore:adaloss_jax. same-step scales .same_step, on by")
 @pytest.mark.parametrize("around,inside", [(a, "none") for a in AROUND]
-                         + [("none", i) for i in INSIDE if i != "none"])
+                         + [("none", i) for i in INSIDE if i != "none"]
+                         + [("vmap", "cond"), ("vmap", "remat")])
 def test_a_residual_streams_fan_in_decides_and_stays_exact_under_transformations(
         around, inside):
     """The stream decides at its last reader where its whole border is in one scope: a
     vmap, jit, checkpoint or cond around the model or around each layer (jits,
     checkpoint bodies and cond branches in the scope around them, a vmap's points met
-    once); a shard_map around it keeps the plan. Either way, whatever the prior scales,
-    the fp32 gradients are jax.grad's."""
+    once; a cond under vmap, whose batched predicate runs both branches, too); a
+    shard_map around it keeps the plan. Either way, whatever the prior scales, the fp32
+    gradients are jax.grad's."""
     params, loss = _residual_stream(around, inside)
     x = jax.random.normal(jax.random.key(4), (8, 8))
     scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0)
@@ -934,8 +936,9 @@ def test_a_residual_streams_fan_in_decides_and_stays_exact_under_transformations
     assert_fp32_trees_close(got, jax.grad(loss)(params, x))
 
 
-def _remat_loss(case):
-    """A loss whose modules sit in ``jax.checkpoint`` bodies, in one of several shapes."""
+def _nested_loss(case):
+    """A loss whose modules sit in ``jax.checkpoint`` bodies or ``switch`` branches, in
+    one of several shapes."""
     g = lambda n, f=jnp.tanh: alj.scale_group(n)(lambda p, x: f(x @ p["w"]))  # noqa: E731
     a, b, c, h = g("a"), g("b"), g("c"), g("h", lambda v: v)
     ck = jax.checkpoint
@@ -972,7 +975,8 @@ def _remat_loss(case):
     ("nested", "abch", 1), ("policy", "abch", 1), ("cond inside", "abh", 1),
     ("decider inside", "abch", 1), ("called twice", "ah", 0),
     ("switch, first taken", "abch", 1), ("switch, last taken", "abch", 1)])
-def test_modules_in_checkpoint_bodies_decide_and_stay_exact(case, live, fanins):
+def test_modules_in_checkpoint_bodies_and_switch_branches_decide_and_stay_exact(case, live,
+                                                                               fanins):
     """A checkpoint body is in the scope around it: its modules decide in the pass, the
     tokens crossing the body as inputs and outputs, whether nested, under a policy, a
     decider inside the body with its border before it, or around a ``cond`` (its
@@ -984,7 +988,7 @@ def test_modules_in_checkpoint_bodies_decide_and_stay_exact(case, live, fanins):
     keys = jax.random.split(jax.random.key(7), 5)
     params = {n: {"w": jax.random.normal(k, (8, 8)) / 8**0.5} for n, k in zip("abch", keys)}
     x = jax.random.normal(keys[4], (16, 8))
-    loss = _remat_loss(case)
+    loss = _nested_loss(case)
     scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0)
     _, program, _ = alj._grad.trace(loss, scaler, params, (x,), {})
     assert set(program.live.groups) == set(live)

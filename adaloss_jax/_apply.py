@@ -299,6 +299,10 @@ class Program:
         needs = self.live.needs.get(key, ())
         group = self.live.deciders.get(key)
         x, y = self.live.names.get(key) or (_live.region_key(a) for a in pair)
+        follows = x == _live.FOLLOW  # a stream's way in: the layer's stream but at the first
+        if follows:
+            x = _live.CHAIN_X
+        before = self.live.ways_in.get(key)  # (there, a live region's before the scan)
         sc = self.scaler
         limits, chosen = (live.inputs[group] if group is not None
                           else (jnp.zeros((3,), jnp.float32), jnp.zeros((), jnp.float32)))
@@ -309,8 +313,11 @@ class Program:
             decides=group is not None, takes=len(taken),
             target=math.log2(cfg.x_max) - sc.margin,
             lo=math.log2(sc.min_loss_scale), hi=math.log2(sc.max_loss_scale), axes=live.axes,
-            reserve=float(sc.max_rise), halfway=isinstance(group, tuple))
-        base = jnp.stack([jnp.asarray(live.sigma[a], jnp.float32) for a in pair])
+            reserve=float(sc.max_rise),
+            halfway=isinstance(group, tuple) or key in self.live.streams, follows=follows,
+            first_token=needs.index(before) if before is not None else None)
+        base = jnp.stack([jnp.asarray(live.sigma[a], jnp.float32) for a in pair]
+                         + ([live.follows] if follows else []))
         ys, emitted = _channel.live_point(lcfg, xs, base, limits, dummy, chosen, taken)
         for g, t in zip(needs, emitted):
             live.tokens.setdefault(g, []).append(t)
@@ -459,28 +466,37 @@ class Program:
         tokens = []  # a chain's: the carried token of the layer executed next
         if chain is not None:
             tokens = [sum(live.tokens.pop(chain.slots[chain.first], []), token)]
+        if groups:  # 0 at the layer executed first (a stream's way in there: the plan)
+            per_layer += (jnp.arange(p["length"]) != (chain.first if chain else 0),)
 
         def step(carry, x):
             (xs_i, rows_i, ratios_i, layer), carried = x, carry[ncar:]
             here = {**ratios, **dict(zip(layered, ratios_i))}
             ctx = None
             if groups:
-                sigma_i, inputs_i = layer
+                sigma_i, inputs_i, later = layer
                 ctx = live._replace(sigma={**live.sigma, **dict(zip(anchors, sigma_i))},
-                                    inputs=inputs_i, tokens={_live.CHAIN_X: carried})
+                                    inputs=inputs_i, tokens={_live.CHAIN_X: carried},
+                                    follows=later.astype(jnp.float32))
             outs = self._eval(sub.jaxpr, sub.consts, [*consts, *carry[:ncar], *xs_i],
                               list(rows_i), here, ctx)
             if chain is not None:
                 carried = [sum(ctx.tokens.pop(_live.CHAIN_Y), jnp.zeros((), jnp.float32))]
-            return [*outs[:ncar], *carried], outs[ncar:]
+            # a stream's ways in emit, at every layer, a token for the region before it
+            ways = [sum(ctx.tokens.pop(g, []), jnp.zeros((), jnp.float32)) for g in before]
+            return [*outs[:ncar], *carried], [*outs[ncar:], *ways]
 
+        before = sorted({g for k, g in self.live.ways_in.items() if k in keys}, key=repr
+                        ) if groups else []
         carry, ys = jax.lax.scan(
             step, [*init, *tokens], (list(xs), list(block), [ratios[q] for q in layered],
                                      per_layer),
             length=p["length"], reverse=p["reverse"], unroll=p["unroll"])
         if chain is not None and chain.last is not None:
             live.tokens.setdefault(chain.last, []).append(carry[ncar])
-        return [*carry[:ncar], *ys]
+        for g, t in zip(before, ys[len(ys) - len(before):]):  # read at the first layer only
+            live.tokens.setdefault(g, []).append(t[chain.first])
+        return [*carry[:ncar], *ys[:len(ys) - len(before)]]
 
 
 class _LiveContext(NamedTuple):
@@ -490,6 +506,7 @@ class _LiveContext(NamedTuple):
     inputs: dict  # live group -> (limits, chosen)
     axes: tuple  # the optimizer's bound mapped axis: deciders agree over it
     tokens: dict  # live group -> the tokens emitted for it so far
+    follows: Any = None  # in a stack's body: 0 at the layer executed first, else 1
 
 
 def _flatten(tokens: dict) -> tuple[list, list]:

@@ -470,6 +470,8 @@ class LiveConfig(NamedTuple):
     axes: tuple = ()  # mapped axes to agree over where the types do not say (check_vma off)
     reserve: float = 0.0  # the most a first choice keeps free for sums inside (max_rise)
     halfway: bool = False  # a fan-in's first choice: halfway down its dtype's span
+    follows: bool = False  # the x side's token counts x ``base[2]`` (a stream's way in)
+    first_token: int | None = None  # and this one x ``1 - base[2]`` (the side before it)
 
 
 def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
@@ -554,7 +556,10 @@ def live_point(cfg: LiveConfig, xs: tuple, base: jax.Array, limits: jax.Array,
                dummy: jax.Array, chosen: jax.Array, taken: tuple):
     """:func:`scale_point` on the border of live regions: identity on ``xs``, plus
     ``cfg.emits`` zero tokens. ``base = [x, y]``: the planned log2 scales of the two
-    sides; a side in a live region reads its scale from an emitted token's cotangent,
+    sides (and, for a stream's way in, ``cfg.follows``, a third: 1 at a layer whose x
+    side is its own stream, 0 at the first, where it is the region before the scan,
+    ``cfg.first_token``'s); a side in a live region reads its scale from an emitted
+    token's cotangent,
     or (the decider) chooses it (:func:`decide`, with ``limits``) and returns its
     difference from the planned scale as the cotangent of ``chosen`` (from
     ``limits[2]``, the group's plan) and of every token it ``taken`` (from ``base[0]``)::
@@ -595,7 +600,10 @@ def _live_point_bwd(cfg, res, cts):
     if cfg.decides:
         lx, mine = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)
     else:
-        lx = base[0] if cfg.x_token is None else base[0] + emitted[cfg.x_token]
+        lx = base[0] if cfg.x_token is None else base[0] + emitted[cfg.x_token] * (
+            base[2] if cfg.follows else 1.0)
+        if cfg.first_token is not None:
+            lx = lx + emitted[cfg.first_token] * (1.0 - base[2])
     ratio = _formats.pow2(lx) / _formats.pow2(ly)
     out = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
     if pc.simulate is not None:

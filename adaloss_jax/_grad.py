@@ -340,8 +340,9 @@ def _limits(prior: AdaptiveScaleState, live, fanins=(), sigma=None) -> dict:
     out = {g: table[:, names.index(g)] for g in live}
     for a in fanins:
         cols = table[:, jnp.asarray([names.index(g) for g in a], jnp.int32)]
+        plan = sigma[a] if a in sigma else jnp.min(cols[2])  # (a stream's layer: its min)
         out[a] = jnp.stack([jnp.max(cols[0]), jnp.min(cols[1]),
-                            jnp.asarray(sigma[a], jnp.float32)])
+                            jnp.asarray(plan, jnp.float32)])
     return out
 
 

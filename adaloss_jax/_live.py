@@ -52,6 +52,14 @@ A stack of layers in one scan decides too, a scale per layer (``Live.layers``):
     a chain         = the body's one converting point is every layer's exit into the
                       layer executed next (:class:`Chain`): each layer decides there,
                       and the next layer's choice rides in the scan's carry
+    a stream        = a value every layer reads and adds to (a residual stream, a
+                      highway's carry; a fan-in per layer, its readers from that layer
+                      on) that one point of the body, its exit, converts into the next
+                      layer's (:func:`_stream`): it decides per layer at its exit as a
+                      chain's layer does, the body's other regions as above, and a way
+                      into the first layer inside the body (a block's input point)
+                      takes the choice of the region before the scan from a token that
+                      leaves the scan from the first layer
 
 The decider measures the arriving cotangent (at the scale of its consumer side) and
 chooses ``g``'s log2 scale (:func:`adaloss_jax._channel.decide`). Every border point
@@ -96,6 +104,7 @@ class Chain(NamedTuple):
 
 
 CHAIN_X, CHAIN_Y = "<layer>", "<next layer>"  # the two sides of a chain's exit, in its body
+FOLLOW = "<layer, or before the first>"  # a stream's way in, in its body (:func:`_stream`)
 
 
 class Live(NamedTuple):
@@ -103,7 +112,6 @@ class Live(NamedTuple):
 
     Attributes:
       groups: the live groups, sorted (a chain's layers included).
-      fanins: the live fan-ins, each by its anchor set (:func:`fan_in`), sorted.
       deciders: ``{site key: group}``, the point that chooses each group's scale
         (:data:`CHAIN_X` for a chain's exit, a layer's :func:`symbol` inside a scan).
       needs: ``{site key: groups}``: the live groups whose chosen scale the site's
@@ -113,7 +121,14 @@ class Live(NamedTuple):
         groups its body decides, a scale per layer: its chain's layers
         (:data:`CHAIN_X`), or the regions inside one layer (by :func:`symbol`).
       names: ``{site key: (x, y)}``: the group names of the two sides of a point
-        inside such a body (:func:`region_key` names the others).
+        inside such a body, or of a way into a stream's first layer before its scan
+        (:func:`region_key` names the others).
+      fanins: the live fan-ins, each by its anchor set (:func:`fan_in`), sorted; a
+        stream's layers (:func:`_stream`) included.
+      streams: the site keys of the streams' exits (deciders of a fan-in per layer).
+      ways_in: ``{site key: group}``: a stream's way in inside its body whose side
+        before the first layer is a live region (``group``, deciding after the scan):
+        its token leaves the scan from the first layer.
     """
 
     groups: tuple[str, ...] = ()
@@ -123,6 +138,8 @@ class Live(NamedTuple):
     layers: dict = {}
     names: dict = {}
     fanins: tuple = ()
+    streams: frozenset = frozenset()
+    ways_in: dict = {}
 
     @property
     def any(self) -> bool:
@@ -248,29 +265,56 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     counts.update({(PARAMS_KEY, i): 1 for i in range(len(params))})
     if params_order is not None:
         order.update({(PARAMS_KEY, i): params_order for i in range(len(params))})
-    chains, layers, names = {}, {}, {}
+    chains, layers, names, streams, ways = {}, {}, {}, {}, {}
     for scan in scans:
         chain = _chain(scan, every, order, params, counts)
         if chain is not None:
             chains[scan.id] = (scan, chain)
-    inside = {k for scan, _ in chains.values() for k in scan.keys}
+            continue
+        stream = _stream(scan, every, order, params, counts)
+        found = stream and _inside(scan, every, params, counts, stream)
+        if found and found[1].get(stream.chain.decider) == CHAIN_X:
+            streams[scan.id] = (scan, stream, found)
+    relays = [*chains.values(), *((scan, st.chain) for scan, st, _ in streams.values())]
+    inside = {k for scan, _ in relays for k in scan.keys}
     extra: dict = {}  # a chain's final token: a way into its consumer
-    for scan, chain in chains.values():
+    for scan, chain in relays:
         if chain.last is not None:
             extra.setdefault(chain.last, []).append(("scan", scan.id))
             order[("scan", scan.id)] = scan.at
             counts[("scan", scan.id)] = 1
-    firsts = {c.slots[c.first] for _, c in chains.values()}
+    for scan, st, _ in streams.values():  # a way in at the first layer: on its border
+        for g in set(st.ways_in.values()):
+            extra.setdefault(g, []).append(("way in", scan.id))
+            order[("way in", scan.id)] = scan.at
+            counts[("way in", scan.id)] = 1
+    firsts = {c.slots[c.first] for _, c in relays}
+    # a way into a stream's first layer: its anchor set as the name of the token it emits
+    ways_in = {st.chain.slots[st.chain.first] for _, st, _ in streams.values()}
+    named = frozenset().union(*(st.named for _, st, _ in streams.values()))
     seeded = any(y == (SEED,) for _, (_, y), _ in every)
-    live, needs = _regions([e for e in every if e[0] not in inside], order, counts, params,
-                           stacked, extra, firsts, root=seeded)
+    live, needs = _regions([(k, tuple((a,) if a in ways_in else a for a in pair), c)
+                            for k, pair, c in every if k not in inside], order, counts,
+                           params, stacked | named, extra, firsts, root=seeded)
     deciders = {d: g for g, d in live.items()}
+    names.update({k: tuple(a if a in ways_in else region_key(a) for a in pair)
+                  for k, pair, _ in every if k not in inside and ways_in & set(pair)})
     for i, (_, c) in chains.items():
         deciders[c.decider] = CHAIN_X
         needs[c.decider] = (CHAIN_Y,)
         names[c.decider] = (CHAIN_X, CHAIN_Y)
         chains[i] = c._replace(last=c.last if c.last in live else None)
         layers[i] = {CHAIN_X: c.slots}
+    for i, (_, st, (by_name, here, wanted, named_here)) in streams.items():
+        chains[i] = st.chain._replace(last=st.chain.last if st.chain.last in live else None)
+        layers[i] = by_name
+        deciders.update(here)
+        needs.update(wanted)
+        names.update(named_here)
+        for k, g in st.ways_in.items():
+            if g in live:  # its choice, for the first layer's way in
+                needs[k] = (*needs.get(k, ()), g)
+                ways[k] = g
     for scan in scans:
         if scan.id not in chains:
             found = _inside(scan, every, params, counts)
@@ -280,10 +324,11 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
                 needs.update(wanted)
                 names.update(named)
     slots = [g for by_name in layers.values() for group in by_name.values() for g in group]
-    fanins = tuple(sorted(g for g in live if isinstance(g, tuple)))
-    groups = [g for g in live if not isinstance(g, tuple)]
-    return Live(tuple(sorted([*groups, *slots])), deciders, needs, chains, layers, names,
-                fanins)
+    fanins = sorted(g for g in [*live, *slots] if isinstance(g, tuple))
+    groups = [g for g in [*live, *slots] if not isinstance(g, tuple)]
+    return Live(tuple(sorted(groups)), deciders, needs, chains, layers, names,
+                tuple(fanins), frozenset(st.chain.decider for _, st, _ in streams.values()),
+                ways)
 
 
 def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: frozenset,
@@ -346,38 +391,145 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
     return live, needs
 
 
-def _inside(scan: Scan, every: Sequence[tuple], params: Sequence, counts: Counter):
+def _region_groups(side) -> list:
+    """The groups whose own region a side names: its one group, or a stack's slots read
+    alone; a fan-in's anchors are not theirs (its region is the fan-in's)."""
+    if isinstance(side, Steps):
+        return _per_layer(side)
+    return list(side) if side and len(side) == 1 else []
+
+
+def _inside(scan: Scan, every: Sequence[tuple], params: Sequence, counts: Counter,
+            stream: Stream | None = None):
     """The regions inside one layer of ``scan``'s stack: the body's sites analysed as
-    one program, each layer's own groups as one :func:`symbol`. A group is left out
-    where any of its layers is named outside the body (a point or a parameter
+    one program, each layer's own groups as one :func:`symbol` (and a ``stream``'s
+    layers as :data:`CHAIN_X`, its exit's other side as :data:`CHAIN_Y`). A group is
+    left out where any of its layers is named outside the body (a point or a parameter
     conversion: its border would leave the body). ``None`` where nothing decides."""
     outside = set()
     for k, pair, _ in every:
         if k not in scan.keys:
-            outside.update(g for side in pair for g in (_per_layer(side) or side or ()))
+            outside.update(g for side in pair for g in _region_groups(side))
     for pair in params:
         if pair is not None:
-            outside.update(g for side in pair for g in (_per_layer(side) or side))
-    body = [(k, (symbol(x), symbol(y)), c) for k, (x, y), c in every if k in scan.keys]
+            outside.update(g for side in pair for g in _region_groups(side))
+    renamed = stream.sides if stream is not None else {}
+    body = [(k, (symbol(renamed.get(x, x)), symbol(renamed.get(y, y))), c)
+            for k, (x, y), c in every if k in scan.keys]
     slots: dict = {}
     for k, (x, y), _ in every:
         if k not in scan.keys:
             continue
         for raw in (x, y):
+            if raw in renamed:
+                continue
             sym = symbol(raw)
             if sym is not raw:
                 slots[sym[0]] = tuple(a[0] for a in raw)
             elif isinstance(raw, Steps):  # another layer's slot, read alone
                 outside.update(a[0] for a in raw if len(a) == 1)
     fit = {g for g, mine in slots.items() if not outside & set(mine)}
-    live, needs = _regions(body, dict(scan.order), counts, (), frozenset(), {},
-                           fanins=False)
+    marks = frozenset({CHAIN_Y, FOLLOW} if stream is not None else ())
+    live, needs = _regions(body, dict(scan.order), counts, (), marks, {},
+                           firsts=marks - {FOLLOW}, fanins=False)
+    if stream is not None:
+        fit.add(CHAIN_X)
+        slots[CHAIN_X] = stream.chain.slots
     live = {g: d for g, d in live.items() if g in fit}
-    needs = {k: w for k, w in ((k, tuple(g for g in w if g in live)) for k, w in needs.items())
-             if w}
+    needs = {k: w for k, w in ((k, tuple(g for g in w if g in live or g in marks))
+                               for k, w in needs.items()) if w}
     if not live:
         return None
     names = {k: tuple(single(side) for side in pair) for k, pair, _ in body
              if k in needs or k in live.values()}
     return ({g: slots[g] for g in sorted(live)}, {d: g for g, d in live.items()}, needs,
             names)
+
+
+def _fan_in_per_layer(anchors) -> bool:
+    """Per-layer anchors, each layer's a fan-in of its own (several groups)."""
+    return (isinstance(anchors, Steps) and len(set(anchors)) == len(anchors)
+            and all(isinstance(a, tuple) and len(a) > 1 for a in anchors))
+
+
+def _parts(side) -> list:
+    return list(side) if isinstance(side, Steps) else [side]
+
+
+class Stream(NamedTuple):
+    """A stack's stream (:func:`_stream`)."""
+
+    chain: Chain  # its layers' anchor sets as the slots, its exit as the decider
+    sides: dict  # {a side in the body: its name there}: the stream, its way in
+    named: frozenset  # the other regions the body names (none of them live outside it)
+    ways_in: dict  # {site key: region}: a way in's side before the first layer, if live
+
+
+def _stream(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
+            counts: Counter) -> Stream | None:
+    """``scan``'s stream, or ``None``: a value every layer reads and adds to (a residual
+    stream, a highway's carry), each layer's a fan-in of its own (its readers from that
+    layer on), that the layers pass on as a :class:`Chain`'s layers do: exactly one
+    point of the body, the stream's *exit*, converts it into the stream of the layer
+    executed next (after the last layer, into the stack's consumer).
+
+    Inside one layer it is one region, :data:`CHAIN_X`, deciding at its exit (which
+    must be the last of its entries in the body, :func:`_inside`) from the cotangent
+    arriving from the next layer, whose choice rides in the carry (:data:`CHAIN_Y`).
+    The body's other points that convert into or out of it take its choice by token.
+    A way in from before the scan converts into the first layer's stream only, and its
+    token is the carry's first. A way in inside the body (:data:`FOLLOW`: a block's
+    input point, whose other side is the stream at every layer but the first) takes
+    the layer's choice at every layer after the first (there it converts nothing) and
+    its planned scale at the first. Everything else the body names keeps the plan
+    outside it (``named``); the consumer only where the exit is its one border in
+    the body."""
+    run = list(range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length))
+    body = [(k, pair, c) for k, pair, c in every if k in scan.keys]
+    exits = [(k, x, y) for k, (x, y), c in body
+             if c and _fan_in_per_layer(x) and isinstance(y, Steps)
+             and all(y[i] == x[j] for i, j in zip(run, run[1:]))]
+    if len(exits) != 1 or exits[0][0] not in scan.top or counts[exits[0][0]] != 1:
+        return None
+    key, stream, out = exits[0]
+    first, layer = run[0], set(stream)
+    sides: dict = {stream: (CHAIN_X,), out: (CHAIN_Y,)}
+    named: set = set()
+    ways_in: dict = {}
+    for k, (x, y), convert in body:
+        for side, is_x in ((x, True), (y, False)):
+            if side == out and (k == key or not convert):  # (measured there, after it)
+                continue
+            if side == stream:
+                continue
+            parts = _parts(side)
+            if isinstance(side, Steps) and layer & set(side):
+                if not (is_x and y == stream and side[first] not in layer
+                        and all(side[i] == stream[i] for i in run[1:])):
+                    return None
+                sides[side] = (FOLLOW,)
+                before = region_key(side[first])
+                if before is not None and before != SEED:  # may decide outside, after it
+                    ways_in[k] = before
+                    continue
+                parts = [side[first]]
+            elif side in layer:
+                return None
+            named.update(a[0] if len(a) == 1 else a for a in parts if a)
+    for k, (a, b), convert in every:  # outside the body: only a way into the first layer
+        if k in scan.keys or not layer & {*_parts(a), *_parts(b)}:
+            continue
+        if (not convert or b != stream[first] or a == b or counts[k] != 1
+                or k not in order or order[k][0] != scan.at[0] or order[k][1] >= scan.at[1]):
+            return None
+    for pair in params:
+        if pair is not None and any(layer & set(_parts(side)) for side in pair):
+            return None
+    last = single(out[run[-1]])
+    if last is None or last in named or last == ROOT:
+        named.add(last if last is not None else out[run[-1]])
+        last = None
+    if named & set(ways_in.values()):  # (named in the body besides: keeps the plan)
+        named.update(ways_in.values())
+        ways_in = {}
+    return Stream(Chain(tuple(stream), key, first, last), sides, frozenset(named), ways_in)

@@ -66,6 +66,26 @@ MUTATIONS = {
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "tokens emitted before a checkpoint body or a cond never reach a decider in it "
         "or after it"),
+    "same-step-stream-way-in-at-every-layer": (
+        "adaloss_jax/_channel.py",
+        "            base[2] if cfg.follows else 1.0)",
+        "            1.0)",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a stream's way in converts from the layer's own stream at the first layer too"),
+    "same-step-stream-way-in-token-kept-inside": (
+        "adaloss_jax/_apply.py",
+        "            live.tokens.setdefault(g, []).append(t[chain.first])",
+        "            pass",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "the token of a stream's way in never leaves the scan: the root decides, the way "
+        "in reads its plan"),
+    "same-step-stream-named-outside": (
+        "adaloss_jax/_live.py",
+        "        if k in scan.keys or not layer & {*_parts(a), *_parts(b)}:",
+        "        if True:",
+        ["tests/test_live.py"],
+        "a stack's stream read outside its body besides the first layer's way in decides "
+        "in the body all the same"),
     "same-step-switch-tokens-kept-inside": (
         "adaloss_jax/_apply.py",
         "        live.tokens.update(_unflatten(flat, list(union.items())))",
@@ -153,8 +173,8 @@ MUTATIONS = {
         "a fan-in (a residual stream) keeps its anchors' planned scales: fp8 step 0 skipped"),
     "fan-in-first-choice-as-a-modules": (
         "adaloss_jax/_apply.py",
-        "            reserve=float(sc.max_rise), halfway=isinstance(group, tuple))",
-        "            reserve=float(sc.max_rise), halfway=False)",
+        "            halfway=isinstance(group, tuple) or key in self.live.streams, follows",
+        "            halfway=False, follows",
         ["tests/test_live_warmup.py"],
         "a fan-in's first choice keeps a module's room (5 binades in fp8), not half its span"),
     "e5m2-module-rise-as-e4m3s": (

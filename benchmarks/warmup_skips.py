@@ -14,7 +14,9 @@ statistics and any skipped step is the scale rule's doing:
   ``growing`` (four Dense layers on a residual stream, each branch x 4, so the stream's
   cotangent grows several binades a layer), ``remat`` (three residual blocks of two
   Dense layers, each block under ``nn.remat``), ``remat-scan`` (six tanh Dense layers,
-  one ``nn.scan`` of an ``nn.remat`` layer), all fp16 compute.
+  one ``nn.scan`` of an ``nn.remat`` layer), ``highway-scan`` (five highway layers in
+  one ``nn.scan``), ``residual-scan`` (six pre-norm residual MLP blocks in one
+  ``nn.scan``), all fp16 compute.
 
 For each: fp16 and e4m3 cotangents (``simulate=True``; ``--formats`` adds e5m2), per
 module and one global scale,
@@ -153,8 +155,48 @@ class _RematScan(nn.Module):
         return nn.Dense(10, dtype=jnp.float16)(stack()(x, None)[0])
 
 
+class _GatedLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        g = nn.sigmoid(nn.Dense(32, dtype=jnp.float16)(x))
+        return g * x + (1 - g) * nn.Dense(32, dtype=jnp.float16)(x), None
+
+
+class _HighwayScan(nn.Module):
+    """Five highway layers in one ``nn.scan``: each reads the stream three times (its
+    gate, its transform and the carry), a fan-in per layer inside the body."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, dtype=jnp.float16)(x.reshape(x.shape[0], -1))
+        stack = nn.scan(_GatedLayer, variable_axes={"params": 0},
+                        split_rngs={"params": True}, length=5)
+        return nn.Dense(10, dtype=jnp.float16)(stack()(x, None)[0])
+
+
+class _PreNormLayer(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        h = nn.gelu(nn.Dense(64, dtype=jnp.float16)(nn.LayerNorm(dtype=jnp.float16)(x)))
+        return x + nn.Dense(32, dtype=jnp.float16)(h), None
+
+
+class _ResidualScan(nn.Module):
+    """Six pre-norm residual MLP blocks in one ``nn.scan`` (the stream a fan-in per
+    layer; the first layer's way in inside the body, from the Dense before it)."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, dtype=jnp.float16)(x.reshape(x.shape[0], -1))
+        stack = nn.scan(_PreNormLayer, variable_axes={"params": 0},
+                        split_rngs={"params": True}, length=6)
+        return nn.Dense(10, dtype=jnp.float16)(
+            nn.LayerNorm(dtype=jnp.float16)(stack()(x, None)[0]))
+
+
 _SWEEP = {"cnn": _CNN, "deepsig": _DeepSigmoid, "residual": _Residual,
-          "growing": _Growing, "remat": _Remat, "remat-scan": _RematScan}
+          "growing": _Growing, "remat": _Remat, "remat-scan": _RematScan,
+          "highway-scan": _HighwayScan, "residual-scan": _ResidualScan}
 TASKS = ("attn5", "gpt6", "gpt6-scan", "tied", *_SWEEP)
 
 

@@ -186,6 +186,68 @@ def test_regions_inside_a_layer_decide_as_one_symbol_per_stacked_group():
     assert live.layers == {1: {"ln[*]": (Layer("ln", 0), Layer("ln", 1), Layer("ln", 2))}}
 
 
+def _stream_case(case=None, reverse=False):
+    """A scanned block of 3 layers: ``emb`` -> [ln[i] -> fc[i], added to the stream] ->
+    ``head``; each layer's stream is a fan-in of its readers from that layer on. In the
+    body, in forward order: the block's way in (from ``emb`` at the first layer, the
+    layer's own stream after), ln's and fc's points, the exit into the next layer's
+    stream (after the last, into ``head``). After the scan: the head, then ``emb``
+    read again (a tied output layer: ``emb`` decides there)."""
+    run = [2, 1, 0] if reverse else [0, 1, 2]
+    ln, fc = (Steps([(Layer(g, i),) for i in range(3)]) for g in ("ln", "fc"))
+    sets = {i: tuple(sorted(["head", *(Layer(g, j) for g in ("fc", "ln")
+                                       for j in run[run.index(i):])]))
+            for i in range(3)}
+    stream = Steps([sets[i] for i in range(3)])
+    nxt = Steps([sets[run[run.index(i) + 1]] if i != run[-1] else ("head",)
+                 for i in range(3)])
+    way = Steps([("emb",) if i == run[0] else sets[i] for i in range(3)])
+    body = [("way_in", (way, stream), True), ("ln_in", (stream, ln), True),
+            ("ln_out", (ln, fc), True), ("fc_out", (fc, stream), True),
+            ("exit", (stream, nxt), True), ("after", (nxt, nxt), False)]
+    if case == "exit not last":  # the stream read again after its exit
+        body.append(("late", (stream, Steps([(Layer("t", i),) for i in range(3)])), True))
+    elif case == "two exits":
+        body.append(("exit2", (stream, nxt), True))
+    order = [(k, (("scan",), (i,))) for i, (k, _, _) in enumerate(body)]
+    every = [*body, _site("head_out", ("head",), ("emb",)), _site("emb_out", ("emb",), ("",)),
+             _site("loss", ("",), ("<seed>",))]
+    params = []
+    if case == "named outside":  # a later layer's stream read after the scan
+        every.append(_site("skip", stream[run[1]], ("head",)))
+    elif case == "parameter on it":
+        params = [((Layer("fc", 1),), stream[run[1]])]
+    scan = _scan({k for k, _, _ in body}, order=order, reverse=reverse, at=((), (0,)))
+    top = _top("scan", "head_out", "emb_out", "loss")[1:]
+    return _live.analyse(every, top, params, None, scans=[scan]), stream
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_stacks_stream_decides_at_each_layers_exit_and_its_way_in_at_the_first(reverse):
+    live, stream = _stream_case(reverse=reverse)
+    (chain,) = live.chains.values()
+    assert chain.slots == tuple(stream) and chain.last == "head"
+    assert chain.first == (2 if reverse else 0)
+    assert live.streams == {"exit"} and set(stream) <= set(live.fanins)
+    assert live.deciders["exit"] == _live.CHAIN_X and live.needs["exit"] == (_live.CHAIN_Y,)
+    assert live.deciders["ln_out"] == "ln[*]" and live.deciders["fc_out"] == "fc[*]"
+    assert live.layers[1][_live.CHAIN_X] == tuple(stream)
+    # the way in: the layer's stream, and at the first layer emb, deciding after the scan
+    assert live.names["way_in"] == (_live.FOLLOW, _live.CHAIN_X)
+    assert live.needs["way_in"] == (_live.CHAIN_X, "emb") and live.ways_in == {"way_in": "emb"}
+    assert live.needs["fc_out"] == (_live.CHAIN_X,) and live.needs["ln_in"] == (
+        _live.CHAIN_X, "ln[*]")
+    assert {"emb", "head", ""} <= set(live.groups)
+
+
+@pytest.mark.parametrize("case", ["exit not last", "two exits", "named outside",
+                                  "parameter on it"])
+def test_a_stream_the_body_cannot_decide_keeps_the_plan(case):
+    live, stream = _stream_case(case)
+    assert not live.chains and not live.streams and not set(stream) & set(live.fanins)
+    assert "way_in" not in live.needs or _live.CHAIN_X not in live.needs["way_in"]
+
+
 @pytest.mark.parametrize("case", ["two entries at once", "border after the decider",
                                   "border nested", "border in another scope", "met twice",
                                   "per layer", "root", "stacked"])
@@ -474,6 +536,96 @@ def test_a_scanned_transformer_decides_inside_each_block_as_its_unrolled_twin():
     moved = [g for g in prior_s if g.startswith("blocks/") and g.endswith("]")
              and float(ss.log2_scales[g]) != prior_s[g]]
     assert len(moved) == 3 * len(inside), moved  # every layer's every region decided
+    # and the residual stream, a fan-in per layer, at each layer's exit; the final
+    # LayerNorm after the stack and the root, which the first layer's way in reads
+    live = alj._grad.trace(ls, SAME_STEP, ps, (tokens,), {})[1].live
+    (stream,) = [c for c in live.chains.values() if isinstance(c.slots[0], tuple)]
+    assert len(stream.slots) == 3 and set(stream.slots) <= set(live.fanins)
+    assert stream.last == "ln_f" and "ln_f" in set(live.groups)
+
+
+def test_a_stream_whose_first_layers_way_in_reads_the_root_takes_its_choice_there():
+    """The scanned GPT with its logits cast through float16 into the loss: the root
+    decides at that cast, after the stack, and the way into the first block (inside
+    the body) converts from the root's choice at the first layer only (the token
+    leaves the scan from there); every layer after converts nothing. Exact in fp32."""
+    from adaloss_jax.bench._models import GPT
+
+    _, (_, ps), tokens = _gpt_twins()
+    model = GPT(layers=3, d_model=16, heads=2, context=8, dtype=jnp.float32, scan=True)
+
+    def loss(p, t, y=None):
+        del y
+        logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float16)
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), t[:, 1:]).mean()
+
+    live = alj._grad.trace(loss, SAME_STEP, ps, (tokens,), {})[1].live
+    assert "" in live.groups and set(live.ways_in.values()) == {""}
+    ref = jax.jit(jax.grad(loss))(ps, tokens)
+    rng = np.random.default_rng(5)
+    for _ in range(2):
+        step, state = _grads_through(SAME_STEP, loss, ps, (tokens,))
+        ad = state[0]
+        state = (ad.with_log2_scales({g: int(rng.integers(-6, 7)) for g in ad.log2_scales}),
+                 state[1])
+        got, _, stats = step(state, ps, tokens, _Y)
+        assert_fp32_trees_close(got, ref)
+
+
+class _Gated(nn.Module):
+    dtype: jnp.dtype = jnp.float32
+
+    @nn.compact
+    def __call__(self, x, _):
+        g = nn.sigmoid(nn.Dense(8, dtype=self.dtype)(x))
+        return g * x + (1 - g) * nn.Dense(8, dtype=self.dtype)(x), None
+
+
+class _Highway(nn.Module):
+    """Highway layers in one ``nn.scan`` (forward or reversed): each layer reads the
+    stream three times, a fan-in per layer; the first layer's way in is the Dense
+    before the scan, and the head after it is the stack's consumer."""
+
+    reverse: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        stack = nn.scan(_Gated, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=4, reverse=self.reverse)
+        return nn.Dense(3)(stack()(x, None)[0])
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(reverse):
+    """A stream every layer of a scanned stack reads and adds to decides a scale per
+    layer at that layer's exit, from the cotangent arriving from the layer executed
+    next (its choice in the carry); the way in before the scan and the consumer after
+    it take the first and last layers' choices: fp32 gradients exact under any prior."""
+    model = _Highway(reverse)
+    params = model.init(jax.random.key(0), _X[:, :4])["params"]
+
+    def loss(p, x, y=None):
+        return jnp.mean(model.apply({"params": p}, x) ** 2)
+
+    x = jnp.asarray(_X[:, :4])
+    live = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1].live
+    (chain,) = live.chains.values()
+    assert len(chain.slots) == 4 and set(chain.slots) <= set(live.fanins)
+    assert chain.first == (3 if reverse else 0) and chain.last == "Dense_1"
+    assert {"Dense_0", "Dense_1"} <= set(live.groups)
+    assert len([g for g in live.groups if g.endswith("]")]) == 8  # 2 per layer
+    ref = jax.grad(loss)(params, x)
+    rng = np.random.default_rng(11)
+    for _ in range(2):
+        step, state = _grads_through(SAME_STEP, loss, params, (x,))
+        ad = state[0]
+        state = (ad.with_log2_scales({g: int(rng.integers(-8, 16))
+                                      for g in ad.log2_scales}), state[1])
+        got, new_state, stats = step(state, params, x, _Y)
+        assert bool(new_state[0].base.last_applied)
+        assert_fp32_trees_close(got, ref)
 
 
 @functools.cache

@@ -164,6 +164,28 @@ def test_modules_under_remat_decide_in_the_pass_and_skip_nothing(model, grad_dty
                           loss_scale=2.0**loss_log2) == []
 
 
+@pytest.mark.parametrize("model,grad_dtype,loss_log2", [
+    ("_HighwayScan", "float8_e4m3fn", 0), ("_ResidualScan", "float8_e4m3fn", -20),
+    ("_ResidualScan", "float16", -20), ("gpt", "float8_e5m2", 0)])
+def test_a_scanned_stacks_stream_decides_in_the_pass_and_skips_nothing(model, grad_dtype,
+                                                                       loss_log2):
+    """The sweep's ``highway-scan`` and ``residual-scan`` and the bench's byte GPT with
+    two blocks in one ``nn.scan``: the stream every layer reads and adds to (a fan-in per
+    layer) decides at each layer's exit and the final LayerNorm or head after the
+    stack at its own, so step 0 is applied (they ran at the plan, and step 0 was
+    skipped in fp8, steps 0-1 with the loss x 2^-20, and step 0 in float16 there)."""
+    if model == "gpt":
+        from adaloss_jax.bench._models import GPT
+
+        tokens = jax.random.randint(jax.random.key(0), (16, 33), 0, 256)
+        m, x, y = GPT(layers=2, d_model=32, context=32, scan=True), tokens[:, :-1], tokens[:, 1:]
+    else:
+        m = getattr(_warmup_models(), model)()
+        x = jax.random.normal(jax.random.key(0), (64, 12, 12, 1))  # (the sweep's batch)
+        y = jax.random.randint(jax.random.key(1), (64,), 0, 10)
+    assert _warm_up_skips(m, x, y, grad_dtype, steps=3, loss_scale=2.0**loss_log2) == []
+
+
 @pytest.mark.parametrize("loss_log2", [0, -20])
 def test_a_stream_that_grows_below_its_decider_is_held_by_its_first_choice(loss_log2):
     """The sweep's ``growing`` model in e4m3: the stream's cotangent grows by more below
@@ -191,8 +213,9 @@ def test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_at_most_step_0(s
     stack's final LayerNorm, which cannot choose its scale in the backward pass, was
     left at the blind jump, its cotangent flushed at step 1 again). Unrolled, the
     residual stream (a fan-in) now chooses its scale in the pass too, and step 0 is
-    applied; in the scan the stream runs at its readers' planned scales and step 0 is
-    skipped."""
+    applied; in a scan of one block (its anchors the same at every layer, so no
+    stream: ``adaloss_jax._live._stream``) it runs at its readers' planned scales and
+    step 0 is skipped."""
     from adaloss_jax.bench._models import GPT
 
     tokens = jax.random.randint(jax.random.key(0), (16, 65), 0, 256)

@@ -19,6 +19,7 @@ which function, about ten minutes, then roughly a minute per mutant)::
     python benchmarks/mutation_score.py --survivors     # after adding tests: rerun the rest
     python benchmarks/mutation_score.py --list          # the sample's names, no run
     python benchmarks/mutation_score.py --show NAME     # one mutant's diff
+    python benchmarks/mutation_score.py --within _live.x__stream__ --sample 12  # new code
 
 mutmut works in ``mutants/`` (ignored by git); delete it after changing the package.
 """
@@ -154,6 +155,9 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--seed", type=int, default=SEED)
     ap.add_argument("--sample", type=int, default=SAMPLE)
+    ap.add_argument("--within", default="", metavar="TEXT",
+                    help="draw only mutants whose name holds TEXT (new code: "
+                         "'_live.x__stream__' for the mutants of _live._stream)")
     ap.add_argument("--list", action="store_true", help="print the sample and stop")
     ap.add_argument("--show", metavar="NAME", help="print one mutant's diff and stop")
     ap.add_argument("--rerun", action="store_true",
@@ -170,10 +174,14 @@ def main(argv=None) -> int:
             by_name = _generate(cli)
         finally:
             sys.stdout = saved
-    names = sorted(by_name)
-    sample = sorted(random.Random(args.seed).sample(names, args.sample))
-    print(f"mutmut: {len(names)} mutants of the core and front ends; sample of "
-          f"{len(sample)} with seed {args.seed}")
+    names = sorted(n for n in by_name if args.within in n)
+    if not names:
+        sys.exit(f"no mutant's name holds {args.within!r} (names look like "
+                 f"{sorted(by_name)[0]}); --list shows a sample")
+    sample = sorted(random.Random(args.seed).sample(names, min(args.sample, len(names))))
+    print(f"mutmut: {len(names)} mutants of the core and front ends"
+          + (f" whose name holds {args.within!r}" if args.within else "")
+          + f"; sample of {len(sample)} with seed {args.seed}")
     if args.show:
         print(_diff(get_diff, args.show, by_name[args.show]))
         return 0

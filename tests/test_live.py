@@ -184,6 +184,12 @@ def test_regions_inside_a_layer_decide_as_one_symbol_per_stacked_group():
     live = _live.analyse(every, [], [((Layer("fc", 1),), ("",))], None,
                          scans=[_scan({k for k, _, _ in every}, order=order)])
     assert live.layers == {1: {"ln[*]": (Layer("ln", 0), Layer("ln", 1), Layer("ln", 2))}}
+    # Named outside only as one anchor of a fan-in (a point before the scan converting
+    # into a value every layer reads): that region is the fan-in's, and fc still decides.
+    outside = [*every, _site("before", ("inp",), (Layer("fc", 1), "head"))]
+    live = _live.analyse(outside, [], [], None,
+                         scans=[_scan({k for k, _, _ in every}, order=order)])
+    assert set(live.layers[1]) == {"fc[*]", "ln[*]"}
 
 
 def _stream_case(case=None, reverse=False):

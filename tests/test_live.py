@@ -223,6 +223,8 @@ def _stream_case(case=None, reverse=False):
         every.append(_site("skip", stream[run[1]], ("head",)))
     elif case == "parameter on it":
         params = [((Layer("fc", 1),), stream[run[1]])]
+    elif case == "parameter elsewhere":  # (emb's read by the head: not on the stream)
+        params = [(("emb",), ("head",))]
     scan = _scan({k for k, _, _ in body}, order=order, reverse=reverse, at=((), (0,)))
     top = _top("scan", "head_out", "emb_out", "loss")[1:]
     return _live.analyse(every, top, params, None, scans=[scan]), stream
@@ -244,6 +246,11 @@ def test_a_stacks_stream_decides_at_each_layers_exit_and_its_way_in_at_the_first
     assert live.needs["fc_out"] == (_live.CHAIN_X,) and live.needs["ln_in"] == (
         _live.CHAIN_X, "ln[*]")
     assert {"emb", "head", ""} <= set(live.groups)
+
+
+def test_a_parameter_converted_off_the_stream_leaves_it_deciding():
+    live, stream = _stream_case("parameter elsewhere")
+    assert live.streams == {"exit"} and set(stream) <= set(live.fanins)
 
 
 @pytest.mark.parametrize("case", ["exit not last", "two exits", "named outside",

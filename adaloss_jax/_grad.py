@@ -271,7 +271,7 @@ def adaptive_value_and_grad(
             # (the fan-ins' zeros apart: a pytree's dict keys must sort)
             chosen = ({g: jnp.zeros((), jnp.float32) for g in live},
                       [jnp.zeros((), jnp.float32) for _ in fanins])
-            limits = _limits(prior, live, fanins, sigma) if live or fanins else {}
+            limits = _limits(prior, live, fanins) if live or fanins else {}
 
             def scaled(param_values, dummies, chosen):
                 inputs = {g: (limits[g], chosen[0][g]) for g in live}
@@ -318,13 +318,14 @@ def adaptive_value_and_grad(
     return wrapped
 
 
-def _limits(prior: AdaptiveScaleState, live, fanins=(), sigma=None) -> dict:
+def _limits(prior: AdaptiveScaleState, live, fanins=()) -> dict:
     """What each live region's decider bounds its choice by (:func:`_channel.decide`):
     ``{g: [headroom, prior, planned]}``, the prior being the rule's scale once the group
     was measured or overflowed (+inf before). A live fan-in's (``fanins``, keyed by
     their anchor sets) combine its anchors': the most headroom any keeps, the lowest
-    prior, and its planned scale ``sigma[a]``, the min of theirs
-    (:func:`adaloss_jax._apply.anchor_scales`); each anchor's statistics hold the
+    prior, and its planned scale, the min of theirs (as
+    :func:`adaloss_jax._apply.anchor_scales` computes it: the step runs at ``prior``'s
+    scales, a stream's layers included); each anchor's statistics hold the
     fan-in's rows, so the lowest prior holds the growth measured along it.
 
     Computed for every group at once as one table, and read out by one slice per live
@@ -340,9 +341,7 @@ def _limits(prior: AdaptiveScaleState, live, fanins=(), sigma=None) -> dict:
     out = {g: table[:, names.index(g)] for g in live}
     for a in fanins:
         cols = table[:, jnp.asarray([names.index(g) for g in a], jnp.int32)]
-        plan = sigma[a] if a in sigma else jnp.min(cols[2])  # (a stream's layer: its min)
-        out[a] = jnp.stack([jnp.max(cols[0]), jnp.min(cols[1]),
-                            jnp.asarray(plan, jnp.float32)])
+        out[a] = jnp.stack([jnp.max(cols[0]), jnp.min(cols[1]), jnp.min(cols[2])])
     return out
 
 

@@ -79,6 +79,13 @@ MUTATIONS = {
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the token of a stream's way in never leaves the scan: the root decides, the way "
         "in reads its plan"),
+    "same-step-stream-first-is-slice-0": (
+        "adaloss_jax/_apply.py",
+        'per_layer += (jnp.arange(p["length"]) != (chain.first if chain else 0),)',
+        'per_layer += (jnp.arange(p["length"]) != 0,)',
+        ["tests/test_live.py"],
+        "a reversed scan's stream way in reads the root at slice 0, not at the layer "
+        "executed first"),
     "same-step-stream-named-outside": (
         "adaloss_jax/_live.py",
         "        if k in scan.keys or not layer & {*_parts(a), *_parts(b)}:",

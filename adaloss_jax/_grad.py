@@ -23,6 +23,7 @@ from adaloss_jax import (
     _formats,
     _groups,
     _jaxpr,
+    _live,
     _lookup,
     _record,
     _stream,
@@ -146,10 +147,10 @@ SAME_STEP_NONE = (
 
 
 def _plan(rec: _record.Recording, scaler: AdaptiveScale, owners: list,
-          stacks: dict) -> _stream.Plan:
+          stacks: dict, rooted: frozenset | None = None) -> _stream.Plan:
     keep = rec.rounding if scaler.simulate else frozenset()
     plan = _stream.analyse(rec.closed.jaxpr, rec.sizes, owners, keep=keep, stacks=stacks,
-                           casts=frozenset(rec.casts))
+                           casts=frozenset(rec.casts), rooted=rooted)
     if scaler.groups == "module":
         return plan
     # One group: every point measures at the root scale and converts nothing.
@@ -195,8 +196,16 @@ def trace(fun, scaler: AdaptiveScale, params, args: tuple, kwargs: dict, hooks=(
     owners = [_groups.leaf_group(rec.param_paths[i], active, scaler) for i in floats]
     stacks = _groups.stack_lengths(params, scaler)
     rec = _root_casts(rec, scaler, owners, stacks)
-    plan = _plan(rec, scaler, owners, stacks)
+    # With same-step scales the root's parameters anchor no region, but those read
+    # where the region cannot choose its scale in the pass (_stream.analyse's rooted).
+    plan = _plan(rec, scaler, owners, stacks, frozenset() if scaler.same_step else None)
     program = _apply.Program(rec.closed, plan, scaler, rec.rounding, owners, rec.casts)
+    stuck = frozenset(i for i, pair in enumerate(program.param_pairs)
+                      if scaler.same_step and pair and pair[0] == (ROOT,)
+                      and not _live.reads_a_choice(program.live, i, pair))
+    if stuck:
+        plan = _plan(rec, scaler, owners, stacks, stuck)
+        program = _apply.Program(rec.closed, plan, scaler, rec.rounding, owners, rec.casts)
     # A group scanned over as a stack of layers is used as its slots, a scale per layer.
     for g in plan.stacked & active:
         active = (active - {g}) | set(layers(g, stacks[g]))

@@ -13,10 +13,11 @@ backward pass can set its scale where the cotangent enters it::
                     (no cotangent enters that region: it starts from the loss's seed;
                     the root is live where that region is the seed's,
                     :data:`~adaloss_jax._tree.SEED`, left only through casts: its
-                    entries are then those casts and any other way into it, such as a
-                    GPT's position embedding read on the residual stream, and it
-                    decides at the last of them in the forward order, as a module
-                    called twice), and its decider and whole border sit
+                    entries are then those casts and any other way into it (where a
+                    parameter of the root's anchors a region that could not choose
+                    its own scale, :mod:`adaloss_jax._stream`), and it decides at the
+                    last of them in the forward order, as a module called twice), and
+                    its decider and whole border sit
                     in one scope of the recorded program (its top level with nested jits,
                     checkpoint bodies and cond branches inlined, a branch after the one
                     before it), each met once (not inside a scan or shard_map of the
@@ -162,6 +163,21 @@ class Scan(NamedTuple):
 PARAMS_KEY = "params"  # the key of parameter conversion ``i`` is ``(PARAMS_KEY, i)``
 
 
+def _param_sites(params: Sequence) -> list[tuple]:
+    """The parameter conversions as sites ``(key, (own, uses), True)``, where a
+    conversion's place in the program matters as a point's does."""
+    return [((PARAMS_KEY, i), pair, True) for i, pair in enumerate(params) if pair]
+
+
+def reads_a_choice(live: Live, i: int, pair) -> bool:
+    """Whether parameter ``i``'s conversion ``pair`` (own, uses) converts from a scale
+    chosen in the backward pass: the region it is read in decides, or is a stack's
+    first layer whose choice reaches it (:func:`_param_sites`)."""
+    key = (PARAMS_KEY, i)
+    uses = (live.names.get(key) or tuple(region_key(a) for a in pair))[1]
+    return uses is not None and uses in live.needs.get(key, ())
+
+
 def single(anchors) -> str | None:
     """The group of a one-group anchor set (``None`` for a fan-in, or per-layer
     anchors)."""
@@ -222,23 +238,30 @@ def _chain(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
     if any(y[i] != x[j] for i, j in zip(run, run[1:])):  # exits into the next layer
         return None
     mine = set(slots)
-    for k, (a, b), convert in every:  # outside the body, only a way into the first
-        if k in scan.keys:
-            continue
-        named = {g for side in (a, b) for g in (_per_layer(side) or (side or ()))}
-        if not named & mine:
-            continue
-        if not convert and a == b == (slots[run[0]],):  # measured at its scale
-            continue
-        if (not convert or isinstance(a, Steps) or b != (slots[run[0]],)
-                or counts[k] != 1 or k not in order or order[k][0] != scan.at[0]
-                or order[k][1] >= scan.at[1]):
-            return None
-    for pair in params:
-        if pair is not None and any(g in mine for side in pair
-                                    for g in (_per_layer(side) or side)):
-            return None
+
+    def touches(a, b):
+        return any(g in mine for side in (a, b) for g in (_per_layer(side) or side or ()))
+
+    if not _only_ways_in(scan, every, params, order, counts, (slots[run[0]],), touches):
+        return None
     return Chain(slots, key, run[0], single(y[run[-1]]))
+
+
+def _only_ways_in(scan: Scan, every: Sequence[tuple], params: Sequence, order: dict,
+                  counts: Counter, first, touches) -> bool:
+    """Whether every point outside ``scan``'s body and every parameter conversion that
+    ``touches(x, y)`` the stack is a way into its first layer (anchors ``first``) before
+    the scan: one converting into it from a whole region, met once, earlier in the
+    scan's scope (a parameter read in the first layer's region, such as the root's
+    position embedding, converts there), or one measuring it without converting."""
+    outside = [(k, pair, convert) for k, pair, convert in every if k not in scan.keys]
+    for k, (a, b), convert in [*outside, *_param_sites(params)]:
+        if not touches(a, b) or (not convert and a == b == first):
+            continue
+        if (not convert or isinstance(a, Steps) or b != first or counts[k] != 1
+                or k not in order or order[k][0] != scan.at[0] or order[k][1] >= scan.at[1]):
+            return False
+    return True
 
 
 def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
@@ -293,12 +316,16 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     ways_in = {st.chain.slots[st.chain.first] for _, st, _ in streams.values()}
     named = frozenset().union(*(st.named for _, st, _ in streams.values()))
     seeded = any(y == (SEED,) for _, (_, y), _ in every)
-    live, needs = _regions([(k, tuple((a,) if a in ways_in else a for a in pair), c)
-                            for k, pair, c in every if k not in inside], order, counts,
-                           params, stacked | named, extra, firsts, root=seeded)
+    def way_in(pair):  # a side in a stream's first layer: its anchor set as one name
+        return tuple((a,) if a in ways_in else a for a in pair)
+
+    live, needs = _regions([(k, way_in(pair), c) for k, pair, c in every if k not in inside],
+                           order, counts, [p and way_in(p) for p in params],
+                           stacked | named, extra, firsts, root=seeded)
     deciders = {d: g for g, d in live.items()}
     names.update({k: tuple(a if a in ways_in else region_key(a) for a in pair)
-                  for k, pair, _ in every if k not in inside and ways_in & set(pair)})
+                  for k, pair, _ in [*every, *_param_sites(params)]
+                  if k not in inside and ways_in & set(pair)})
     for i, (_, c) in chains.items():
         deciders[c.decider] = CHAIN_X
         needs[c.decider] = (CHAIN_Y,)
@@ -385,7 +412,7 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
             needs[key] = tuple(want)
     for i, pair in enumerate(params):
         if pair is not None:
-            want = [g for g in dict.fromkeys(map(key_of, pair)) if g in live]
+            want = [g for g in dict.fromkeys(map(key_of, pair)) if g in live or g in firsts]
             if want:
                 needs[(PARAMS_KEY, i)] = tuple(want)
     return live, needs
@@ -477,13 +504,16 @@ def _stream(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
     must be the last of its entries in the body, :func:`_inside`) from the cotangent
     arriving from the next layer, whose choice rides in the carry (:data:`CHAIN_Y`).
     The body's other points that convert into or out of it take its choice by token.
-    A way in from before the scan converts into the first layer's stream only, and its
-    token is the carry's first. A way in inside the body (:data:`FOLLOW`: a block's
-    input point, whose other side is the stream at every layer but the first) takes
-    the layer's choice at every layer after the first (there it converts nothing) and
-    its planned scale at the first. Everything else the body names keeps the plan
-    outside it (``named``); the consumer only where the exit is its one border in
-    the body."""
+    A way in from before the scan (a point, or the conversion of a parameter read in
+    the first layer's stream: the root's position embedding) converts into the first
+    layer's stream only, and its token is the carry's first. A way in inside the body
+    (:data:`FOLLOW`: a block's input point, whose other side is the stream at every
+    layer but the first) takes the layer's choice at every layer after the first
+    (there it converts nothing) and at the first the choice of the region before the
+    scan where that region decides after it (``ways_in``: its token leaves the scan
+    from the first layer), else its planned scale. Everything else the body names
+    keeps the plan outside it (``named``); the consumer only where the exit is its one
+    border in the body."""
     run = list(range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length))
     body = [(k, pair, c) for k, pair, c in every if k in scan.keys]
     exits = [(k, x, y) for k, (x, y), c in body
@@ -516,15 +546,9 @@ def _stream(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
             elif side in layer:
                 return None
             named.update(a[0] if len(a) == 1 else a for a in parts if a)
-    for k, (a, b), convert in every:  # outside the body: only a way into the first layer
-        if k in scan.keys or not layer & {*_parts(a), *_parts(b)}:
-            continue
-        if (not convert or b != stream[first] or a == b or counts[k] != 1
-                or k not in order or order[k][0] != scan.at[0] or order[k][1] >= scan.at[1]):
-            return None
-    for pair in params:
-        if pair is not None and any(layer & set(_parts(side)) for side in pair):
-            return None
+    if not _only_ways_in(scan, every, params, order, counts, stream[first],
+                         lambda a, b: layer & {*_parts(a), *_parts(b)}):
+        return None
     last = single(out[run[-1]])
     if last is None or last in named or last == ROOT:
         named.add(last if last is not None else out[run[-1]])

@@ -10,12 +10,24 @@ structure, and gives each one its *anchors*, the scale groups that set its scale
     region holding the loss            -> {root}, or {seed} where its cotangent leaves
                                            it only through the casts of the model's
                                            outputs (its values all wide: see analyse)
-    region using parameters of groups G -> G         (a module's interior: its own group)
+    region using parameters of groups G -> G         (a module's interior: its own group;
+                                           the root's parameters may anchor nothing)
     any other region                    -> union of the anchors of the regions its
                                            cotangents come from (the consumers' side of
                                            the scale points it feeds), to a fixed point
     nothing reaches it                  -> {root}
     scale of a region                   =  min over its anchors (log2 scales)
+
+The root is no module with an interior: its parameters are read wherever the model
+needs them, at its bottom (a GPT's position embedding added to the token embeddings) as
+at its top, and anchoring all those regions at one scale makes one scale span the
+model. Where scales are chosen in the backward pass, a region reading them takes its
+anchors from its consumers like any other (the root's where only the loss's cotangent
+reaches it), and the parameter converts into the root's scale as any parameter read
+off its owner's scale does; but where that region cannot choose its scale in the pass
+(it keeps the plan: a stream inside a scan of one layer) the parameter anchors it as
+before, so the root's statistics hold it (``rooted``,
+:func:`adaloss_jax._grad.trace`).
 
 So a cotangent keeps the scale of the group it just left until it reaches a fan-in:
 a value read by several consumers (residuals, q/k/v from one input, a module applied
@@ -324,7 +336,7 @@ class _Walker:
 
 def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
             loss_index: int = 0, keep: frozenset = frozenset(), stacks=None,
-            casts: frozenset = frozenset()) -> Plan:
+            casts: frozenset = frozenset(), rooted: frozenset | None = None) -> Plan:
     """The plan of a traced loss.
 
     Args:
@@ -340,16 +352,18 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
         (:func:`adaloss_jax._groups.stack_lengths`).
       casts: the points on the wide side of a cast of the loss
         (:func:`adaloss_jax._record.mark_casts`).
+      rooted: the root's parameters (by index) that anchor the region they are read
+        in, as a module's do (``None``: all of them); the others anchor nothing.
 
     The region holding the loss is anchored by :data:`~adaloss_jax._tree.SEED`, not
     the root, where every point with the loss's region on a side is such a cast, with
     the loss's region on its consumer side and another on its producer side, and no
     parameter is read there: its cotangents are then all measured in the wide dtype
     before a cast narrows them, so the loss's seed scale (the root's scale from the
-    state) loses nothing there, and the root's own regions (its parameters' and the
-    cast's narrow side: a region whose cotangents come from the loss's region alone is
-    anchored by the root) may choose their scale in the same backward pass, at the
-    cast (:mod:`adaloss_jax._live`).
+    state) loses nothing there, and the root's own regions (the cast's narrow side: a
+    region whose cotangents come from the loss's region alone is anchored by the root)
+    may choose their scale in the same backward pass, at the cast
+    (:mod:`adaloss_jax._live`).
 
     A point that would convert nothing and whose every input comes straight from
     another point (whose output nothing else reads) is left out of the applied program:
@@ -381,10 +395,10 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
         names = [owner] if j not in w.sliced else [Layer(owner, i) for i in w.sliced[j]]
         for u, name in zip(uses, names):
             r = region(u)
-            if r is not loss_region:
-                fixed.setdefault(r, set()).add(name)
-            else:
+            if r is loss_region:
                 read_in_loss = True
+            elif name != ROOT or rooted is None or j in rooted:
+                fixed.setdefault(r, set()).add(name)
         params_y.append(y if j not in w.sliced else w.sliced[j])
         fixed[region(x)] = {owner}
     if loss_region is not None:

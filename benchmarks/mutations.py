@@ -88,8 +88,8 @@ MUTATIONS = {
         "executed first"),
     "same-step-stream-named-outside": (
         "adaloss_jax/_live.py",
-        "        if k in scan.keys or not layer & {*_parts(a), *_parts(b)}:",
-        "        if True:",
+        "                         lambda a, b: layer & {*_parts(a), *_parts(b)}):",
+        "                         lambda a, b: False):",
         ["tests/test_live.py"],
         "a stack's stream read outside its body besides the first layer's way in decides "
         "in the body all the same"),
@@ -215,12 +215,45 @@ MUTATIONS = {
         "        if g == ROOT:",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the root's regions below the loss's cast keep the planned scale (step 0 skipped)"),
-    "root-not-live-when-entered-elsewhere": (
-        "adaloss_jax/_live.py",
-        "        if g == ROOT and not root:",
-        "        if g == ROOT and not (root and all(y == (SEED,) for _, (_, y) in keys)):",
+    "root-parameters-anchor-their-regions": (
+        "adaloss_jax/_stream.py",
+        "            elif name != ROOT or rooted is None or j in rooted:",
+        "            else:",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
-        "a root entered elsewhere too (a position embedding) keeps the rule's scale"),
+        "a root's parameter read before a scanned stack anchors the sum under its first "
+        "layer: the root's choice, made from the logits, holds it"),
+    "root-parameters-never-anchor-again": (
+        "adaloss_jax/_grad.py",
+        "    if stuck:",
+        "    if False:",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a root's parameter read where the region cannot decide (a one-layer stack's "
+        "stream) leaves it to the plan of its readers, not the root's statistics"),
+    "root-parameters-free-without-same-step": (
+        "adaloss_jax/_grad.py",
+        "    plan = _plan(rec, scaler, owners, stacks, frozenset() if scaler.same_step else None)",
+        "    plan = _plan(rec, scaler, owners, stacks, frozenset())",
+        ["tests/test_live.py"],
+        "with the rule's scales alone the root's parameters anchor nothing either"),
+    "stream-parameter-way-in-unnamed": (
+        "adaloss_jax/_live.py",
+        "                  for k, pair, _ in [*every, *_param_sites(params)]",
+        "                  for k, pair, _ in every",
+        ["tests/test_live.py"],
+        "a parameter converting into a stream's first layer does not know which of its "
+        "tokens is that layer's choice"),
+    "ways-in-parameters-unchecked": (
+        "adaloss_jax/_live.py",
+        "    for k, (a, b), convert in [*outside, *_param_sites(params)]:",
+        "    for k, (a, b), convert in outside:",
+        ["tests/test_live.py"],
+        "a parameter converting into a stack's later layer leaves it a chain or a stream"),
+    "stream-parameter-way-in-no-token": (
+        "adaloss_jax/_live.py",
+        "map(key_of, pair)) if g in live or g in firsts]",
+        "map(key_of, pair)) if g in live]",
+        ["tests/test_live.py"],
+        "a parameter converting into a stream's first layer converts from its plan"),
     "loss-seed-at-roots-choice": (
         "adaloss_jax/_channel.py",
         "        single = jnp.asarray([len(a) == 1 and a[0] != SEED for a in sets])",

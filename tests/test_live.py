@@ -4,6 +4,7 @@ under any prior scales, and agreement over devices."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import re
@@ -555,11 +556,13 @@ def test_a_scanned_transformer_decides_inside_each_block_as_its_unrolled_twin():
     assert stream.last == "ln_f" and "ln_f" in set(live.groups)
 
 
-def test_a_stream_whose_first_layers_way_in_reads_the_root_takes_its_choice_there():
+def test_a_scanned_gpts_root_decides_at_the_cast_and_its_embedding_sum_with_the_stream():
     """The scanned GPT with its logits cast through float16 into the loss: the root
-    decides at that cast, after the stack, and the way into the first block (inside
-    the body) converts from the root's choice at the first layer only (the token
-    leaves the scan from there); every layer after converts nothing. Exact in fp32."""
+    decides at that cast, after the stack. The sum of the token and position
+    embeddings before the stack is no region of the root's (the root is no module: its
+    position embedding, read there, anchors nothing): it is the first layer's stream,
+    decided at that layer's exit, and the position embedding's conversion into the
+    root's scale takes that choice from the carry's first token. Exact in fp32."""
     from adaloss_jax.bench._models import GPT
 
     _, (_, ps), tokens = _gpt_twins()
@@ -571,8 +574,29 @@ def test_a_stream_whose_first_layers_way_in_reads_the_root_takes_its_choice_ther
         return optax.softmax_cross_entropy_with_integer_labels(
             logits.astype(jnp.float32), t[:, 1:]).mean()
 
-    live = alj._grad.trace(loss, SAME_STEP, ps, (tokens,), {})[1].live
-    assert "" in live.groups and set(live.ways_in.values()) == {""}
+    program = alj._grad.trace(loss, SAME_STEP, ps, (tokens,), {})[1]
+    live = program.live
+    assert "" in live.groups and not live.ways_in
+    assert not any(_live.FOLLOW in n for n in live.names.values())
+    (stream,) = live.chains.values()
+    (pos,) = [i for i, pair in enumerate(program.param_pairs) if pair and pair[0] == ("",)]
+    assert program.param_pairs[pos][1] == stream.slots[stream.first]
+    assert live.needs[(_live.PARAMS_KEY, pos)] == ("", stream.slots[stream.first])
+    # The rule's scales alone (same_step=False), or a stack of one layer (its stream,
+    # the same fan-in at every layer, keeps the plan): the position embedding anchors
+    # its region, as before, and the root's statistics hold it.
+    delayed = dataclasses.replace(SAME_STEP, same_step=False)
+    one = GPT(layers=1, d_model=16, heads=2, context=8, dtype=jnp.float32, scan=True)
+    p1 = one.init(jax.random.key(0), tokens[:, :-1])["params"]
+
+    def loss1(p, t, y=None):
+        return optax.softmax_cross_entropy_with_integer_labels(
+            one.apply({"params": p}, t[:, :-1]).astype(jnp.float16).astype(jnp.float32),
+            t[:, 1:]).mean()
+
+    for scaler, f, p in ((delayed, loss, ps), (SAME_STEP, loss1, p1)):
+        program = alj._grad.trace(f, scaler, p, (tokens,), {})[1]
+        assert not any(pair and pair[0] == ("",) for pair in program.param_pairs)
     ref = jax.jit(jax.grad(loss))(ps, tokens)
     rng = np.random.default_rng(5)
     for _ in range(2):
@@ -599,33 +623,52 @@ class _Highway(nn.Module):
     before the scan, and the head after it is the stack's consumer."""
 
     reverse: bool = False
-    root: bool = False  # a parameter of the model's own added before the scan
+    shift: bool = False  # parameters of the model's own, added before the scan (and
+    # multiplied after it)
     remat: bool = False  # each layer under nn.remat
 
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(8)(x)
-        if self.root:  # (the sum is the root's region: the way in sits in the body)
+        if self.shift:  # (read in the sum before the scan)
             x = x + self.param("shift", nn.initializers.normal(1.0), (8,))
         layer = nn.remat(_Gated) if self.remat else _Gated
         stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=4, reverse=self.reverse)
-        return nn.Dense(3)(stack()(x, None)[0])
+        y = nn.Dense(3)(stack()(x, None)[0])
+        if self.shift:  # (and read again after the scan: the region decides there)
+            y = y * self.param("gain", nn.initializers.ones, (3,))
+        return y
 
 
-@pytest.mark.parametrize("reverse,root,remat", [(False, False, False), (True, False, False),
-                                                (True, True, False), (False, True, True)])
-def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(reverse, root,
+class _Parent(nn.Module):
+    """A model inside another: its own parameters are a group of their own."""
+
+    inner: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return self.inner(x)
+
+
+@pytest.mark.parametrize("reverse,shift,remat", [
+    (False, None, False), (True, None, False), (True, "root", False), (True, "parent", False),
+    (False, "parent", True)])
+def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(reverse, shift,
                                                                               remat):
     """A stream every layer of a scanned stack reads and adds to decides a scale per
     layer at that layer's exit, from the cotangent arriving from the layer executed
     next (its choice in the carry); the way in before the scan and the consumer after
-    it take the first and last layers' choices. With a sum in the root's region before
-    the scan the way in sits in the body: the layer's own choice at every layer but the
-    one executed first (the last slice of a reversed scan), the root's plan there; and
-    under ``nn.remat`` each layer's points sit in a checkpoint inside the body. fp32
-    gradients exact under any prior."""
-    model = _Highway(reverse, root, remat)
+    it take the first and last layers' choices. A parameter of the root's added before
+    the scan is read in the first layer's stream (the root is no module: its parameter
+    converts from there); a parameter of a module around the stack makes that sum the
+    module's region, and the way in sits in the body: the layer's own choice at every
+    layer but the one executed first (the last slice of a reversed scan), the module's
+    there; and under ``nn.remat`` each layer's points sit in a checkpoint inside the
+    body. fp32 gradients exact under any prior."""
+    model = _Highway(reverse, shift is not None, remat)
+    if shift == "parent":
+        model = _Parent(model)
     params = model.init(jax.random.key(0), _X[:, :4])["params"]
 
     def loss(p, x, y=None):
@@ -634,11 +677,17 @@ def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(rev
     x = jnp.asarray(_X[:, :4])
     live = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1].live
     (chain,) = live.chains.values()
+    inner = "inner/" if shift == "parent" else ""
     assert len(chain.slots) == 4 and set(chain.slots) <= set(live.fanins)
-    assert chain.first == (3 if reverse else 0) and chain.last == "Dense_1"
-    assert {"Dense_0", "Dense_1"} <= set(live.groups)
+    assert chain.first == (3 if reverse else 0) and chain.last == inner + "Dense_1"
+    assert {inner + "Dense_0", inner + "Dense_1"} <= set(live.groups)
     assert len([g for g in live.groups if g.endswith("]")]) == 8  # 2 per layer
-    assert root == any(_live.FOLLOW in n for n in live.names.values())
+    assert (shift == "parent") == any(_live.FOLLOW in n for n in live.names.values())
+    if shift == "parent":
+        assert set(live.ways_in.values()) == {"inner"}
+    if shift == "root":  # the shift's conversion takes the first layer's choice
+        (key,) = [k for k in live.needs if k[0] == _live.PARAMS_KEY]
+        assert live.needs[key] == (chain.slots[chain.first],)
     ref = jax.grad(loss)(params, x)
     rng = np.random.default_rng(11)
     for _ in range(2):
@@ -649,6 +698,65 @@ def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(rev
         got, new_state, stats = step(state, params, x, _Y)
         assert bool(new_state[0].base.last_applied)
         assert_fp32_trees_close(got, ref)
+
+
+class _Tanh(nn.Module):
+    @nn.compact
+    def __call__(self, x, _):
+        return jnp.tanh(nn.Dense(8)(x)), None
+
+
+class _ShiftedChain(nn.Module):
+    """A chain of Dense layers in one ``nn.scan`` with a parameter of the root's added
+    to its input: read in the first layer's region, which it does not anchor."""
+
+    reverse: bool = False
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x) + self.param("shift", nn.initializers.normal(1.0), (8,))
+        stack = nn.scan(_Tanh, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=4, reverse=self.reverse)
+        return nn.Dense(3)(stack()(x, None)[0])
+
+
+@pytest.mark.parametrize("reverse", [False, True])
+def test_a_root_parameter_before_a_scanned_chain_converts_from_its_first_layer(reverse):
+    """The root's parameter is read in the region of the layer executed first (the last
+    slice of a reversed scan): its conversion into the root's scale is a way into that
+    layer before the scan, taking the layer's choice from the carry's first token, and
+    the stack stays a chain whose every layer decides. fp32 gradients exact under any
+    prior."""
+    model = _ShiftedChain(reverse)
+    x = jnp.asarray(_X[:, :4])
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p, x, y=None):
+        return jnp.mean(model.apply({"params": p}, x) ** 2)
+
+    program = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1]
+    live = program.live
+    (chain,) = live.chains.values()
+    first = chain.slots[chain.first]
+    assert first == Layer("Scan_Tanh_0/Dense_0", 3 if reverse else 0)
+    assert set(chain.slots) <= set(live.groups) and chain.last == "Dense_1"
+    (shift,) = [i for i, pair in enumerate(program.param_pairs) if pair]
+    assert program.param_pairs[shift] == (("",), (first,))
+    assert live.needs[(_live.PARAMS_KEY, shift)] == (first,)
+    ref = jax.grad(loss)(params, x)
+    rng = np.random.default_rng(13)
+    for _ in range(2):
+        step, state = _grads_through(SAME_STEP, loss, params, (x,))
+        ad = state[0]
+        prior = {g: int(rng.integers(-8, 16)) for g in ad.log2_scales}
+        state = (ad.with_log2_scales(prior), state[1])
+        got, new_state, stats = step(state, params, x, _Y)
+        assert bool(new_state[0].base.last_applied)
+        assert_fp32_trees_close(got, ref)
+    # From scales far too low, every layer chooses its own in the pass.
+    low = (state[0].with_log2_scales({g: -8 for g in state[0].log2_scales}), state[1])
+    _, _, stats = step(low, params, x, _Y)
+    assert all(float(stats.log2_scales[g]) > 0 for g in chain.slots)
 
 
 @functools.cache

@@ -443,7 +443,8 @@ def _seed_loss(dtype, variant, tiny=1.0):
     rounded to float16 (a no-op for an fp16 model) and cast to float32 for the
     cross-entropy. ``variant``: ``"cast"``, the loss reads only that cast;
     ``"entered"``, another root parameter (``bias``) is added between the groups (as a
-    GPT's position embedding: the root is entered there too); ``"direct"``, it adds
+    GPT's position embedding: its region is the second group's, which it converts
+    from); ``"direct"``, it adds
     the cross-entropy to an element of the float16 output in float16 (its region then
     holds float16 values, the output's among them); ``"param"``, the root's ``temp``
     divides the float32 logits (a parameter read in the loss's region); ``"fp16"``, a
@@ -473,8 +474,8 @@ def test_the_loss_seed_is_the_root_scale_only_where_the_cast_is_the_way_out(vari
     converts from the seed to the root's scale; the root, no longer anchoring the
     loss's region, chooses that scale in the same backward pass like a module, at the
     last of its ways in, the cast (the cast's float16 side holds it, and ``shift``'s
-    gradient), though it is entered elsewhere too (``bias``'s gradient, on the stream:
-    what enters there is bounded by the rule's scale once measured). Where the loss's
+    gradient); ``bias``, read between the groups, anchors no region of the root's: it
+    converts from the second group's scale, its readers'. Where the loss's
     region also holds float16 values or reads a parameter, it stays the root's, which
     keeps the rule's scale. In fp32, at arbitrary scales (the seed among them), the
     gradients are exact either way; and from scale 1 with the loss x 2^-30 (all of it
@@ -493,6 +494,10 @@ def test_the_loss_seed_is_the_root_scale_only_where_the_cast_is_the_way_out(vari
         else [((("",), ("",)), False)])
     assert ("" in program.live.groups) == seeded
     assert any(SEED in side for pair in program.pairs() for side in pair) == seeded
+    bias = [jax.tree_util.keystr(k) for k, _ in
+            jax.tree_util.tree_leaves_with_path(_SEED_PARAMS)].index("['bias']")
+    assert program.param_pairs[bias] == ((("",), ("seed_b",)) if variant == "entered"
+                                         else None)
 
     loss32 = _seed_loss(jnp.float32, variant)
     step, state = _grads_through(scaler, loss32, _SEED_PARAMS, (_SEED_X, _SEED_Y),

@@ -224,6 +224,10 @@ def _stream_case(case=None, reverse=False):
         params = [((Layer("fc", 1),), stream[run[1]])]
     elif case == "parameter elsewhere":  # (emb's read by the head: not on the stream)
         params = [(("emb",), ("head",))]
+    elif case == "measured at the first layer":  # a point before the scan, converting
+        every.append(("measure", (stream[run[0]], stream[run[0]]), False))  # nothing
+    elif case == "measured at a later layer":
+        every.append(("measure", (stream[run[1]], stream[run[1]]), False))
     scan = _scan({k for k, _, _ in body}, order=order, reverse=reverse, at=((), (0,)))
     top = _top("scan", "head_out", "emb_out", "loss")[1:]
     return _live.analyse(every, top, params, None, scans=[scan]), stream
@@ -247,13 +251,15 @@ def test_a_stacks_stream_decides_at_each_layers_exit_and_its_way_in_at_the_first
     assert {"emb", "head", ""} <= set(live.groups)
 
 
-def test_a_parameter_converted_off_the_stream_leaves_it_deciding():
-    live, stream = _stream_case("parameter elsewhere")
+@pytest.mark.parametrize("case", ["parameter elsewhere", "measured at the first layer"])
+def test_a_parameter_converted_off_the_stream_leaves_it_deciding(case):
+    # (and a point outside the body measuring the first layer's stream at its scale)
+    live, stream = _stream_case(case)
     assert live.streams == {"exit"} and set(stream) <= set(live.fanins)
 
 
 @pytest.mark.parametrize("case", ["exit not last", "two exits", "named outside",
-                                  "parameter on it"])
+                                  "parameter on it", "measured at a later layer"])
 def test_a_stream_the_body_cannot_decide_keeps_the_plan(case):
     live, stream = _stream_case(case)
     assert not live.chains and not live.streams and not set(stream) & set(live.fanins)
@@ -589,12 +595,13 @@ def test_a_scanned_gpts_root_decides_at_the_cast_and_its_embedding_sum_with_the_
     one = GPT(layers=1, d_model=16, heads=2, context=8, dtype=jnp.float32, scan=True)
     p1 = one.init(jax.random.key(0), tokens[:, :-1])["params"]
 
-    def loss1(p, t, y=None):
+    def loss1(p, t, y=None, cast=jnp.float16):  # (not through float16: no root decides)
         return optax.softmax_cross_entropy_with_integer_labels(
-            one.apply({"params": p}, t[:, :-1]).astype(jnp.float16).astype(jnp.float32),
+            one.apply({"params": p}, t[:, :-1]).astype(cast).astype(jnp.float32),
             t[:, 1:]).mean()
 
-    for scaler, f, p in ((delayed, loss, ps), (SAME_STEP, loss1, p1)):
+    uncast = functools.partial(loss1, cast=jnp.float32)
+    for scaler, f, p in ((delayed, loss, ps), (SAME_STEP, loss1, p1), (SAME_STEP, uncast, p1)):
         program = alj._grad.trace(f, scaler, p, (tokens,), {})[1]
         assert not any(pair and pair[0] == ("",) for pair in program.param_pairs)
     ref = jax.jit(jax.grad(loss))(ps, tokens)

@@ -200,12 +200,14 @@ def trace(fun, scaler: AdaptiveScale, params, args: tuple, kwargs: dict, hooks=(
     # where the region cannot choose its scale in the pass (_stream.analyse's rooted).
     plan = _plan(rec, scaler, owners, stacks, frozenset() if scaler.same_step else None)
     program = _apply.Program(rec.closed, plan, scaler, rec.rounding, owners, rec.casts)
-    stuck = frozenset(i for i, pair in enumerate(program.param_pairs)
-                      if scaler.same_step and pair and pair[0] == (ROOT,)
-                      and not _live.reads_a_choice(program.live, i, pair))
-    if stuck:
-        plan = _plan(rec, scaler, owners, stacks, stuck)
-        program = _apply.Program(rec.closed, plan, scaler, rec.rounding, owners, rec.casts)
+    if scaler.same_step:
+        stuck = frozenset(i for i, pair in enumerate(program.param_pairs)
+                          if pair and pair[0] == (ROOT,)
+                          and not _live.reads_a_choice(program.live, i, pair))
+        if stuck:
+            plan = _plan(rec, scaler, owners, stacks, stuck)
+            program = _apply.Program(rec.closed, plan, scaler, rec.rounding, owners,
+                                     rec.casts)
     # A group scanned over as a stack of layers is used as its slots, a scale per layer.
     for g in plan.stacked & active:
         active = (active - {g}) | set(layers(g, stacks[g]))

@@ -316,6 +316,7 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     ways_in = {st.chain.slots[st.chain.first] for _, st, _ in streams.values()}
     named = frozenset().union(*(st.named for _, st, _ in streams.values()))
     seeded = any(y == (SEED,) for _, (_, y), _ in every)
+
     def way_in(pair):  # a side in a stream's first layer: its anchor set as one name
         return tuple((a,) if a in ways_in else a for a in pair)
 

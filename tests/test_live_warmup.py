@@ -552,6 +552,10 @@ def test_the_root_decided_at_the_cast_holds_under_transformations(wrap, variant)
     assert [(s.pair, s.cfg.convert) for s in program.sites() if s.row.wide] == [
         ((("",), (SEED,)), True)]
     assert "" in program.live.groups
+    if variant == "entered":  # bias, read between the groups, converts from the second's
+        bias = [jax.tree_util.keystr(k) for k, _ in
+                jax.tree_util.tree_leaves_with_path(_SEED_PARAMS)].index("['bias']")
+        assert program.param_pairs[bias] == (("",), ("seed_b",))
     loss32 = wrapped(jnp.float32)
     step, state = _grads_through(scaler, loss32, _SEED_PARAMS, (_SEED_X, _SEED_Y),
                                  {"": 7, "seed_a": -3, "seed_b": 11})

@@ -469,6 +469,12 @@ class Program:
         if groups:  # 0 at the layer executed first (a stream's way in there: the plan)
             per_layer += (jnp.arange(p["length"]) != (chain.first if chain else 0),)
 
+        # a region before the scan deciding at the first layer's way in: its limits and
+        # the tokens emitted for it enter every layer (their cotangents the first's)
+        opened = {g: (live.inputs[g], live.tokens.pop(g, []))
+                  for g in sorted({g for k, g in self.live.opens.items() if k in keys})
+                  } if groups else {}
+
         def step(carry, x):
             (xs_i, rows_i, ratios_i, layer), carried = x, carry[ncar:]
             here = {**ratios, **dict(zip(layered, ratios_i))}
@@ -476,7 +482,9 @@ class Program:
             if groups:
                 sigma_i, inputs_i, later = layer
                 ctx = live._replace(sigma={**live.sigma, **dict(zip(anchors, sigma_i))},
-                                    inputs=inputs_i, tokens={_live.CHAIN_X: carried},
+                                    inputs={**inputs_i, **{g: v for g, (v, _) in opened.items()}},
+                                    tokens={_live.CHAIN_X: carried,
+                                            **{g: list(t) for g, (_, t) in opened.items()}},
                                     follows=later.astype(jnp.float32))
             outs = self._eval(sub.jaxpr, sub.consts, [*consts, *carry[:ncar], *xs_i],
                               list(rows_i), here, ctx)

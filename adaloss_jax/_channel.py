@@ -558,8 +558,8 @@ def live_point(cfg: LiveConfig, xs: tuple, base: jax.Array, limits: jax.Array,
     ``cfg.emits`` zero tokens. ``base = [x, y]``: the planned log2 scales of the two
     sides (and, for a stream's way in, ``cfg.follows``, a third: 1 at a layer whose x
     side is its own stream, 0 at the first, where it is the region before the scan,
-    ``cfg.first_token``'s); a side in a live region reads its scale from an emitted
-    token's cotangent,
+    ``cfg.first_token``'s, or the one it decides, there only); a side in a live region
+    reads its scale from an emitted token's cotangent,
     or (the decider) chooses it (:func:`decide`, with ``limits``) and returns its
     difference from the planned scale as the cotangent of ``chosen`` (from
     ``limits[2]``, the group's plan) and of every token it ``taken`` (from ``base[0]``)::
@@ -597,13 +597,20 @@ def _live_point_bwd(cfg, res, cts):
     pc = cfg.point
     ly = base[1] if cfg.y_token is None else base[1] + emitted[cfg.y_token]
     amax = magnitude(cts)
+    lx = base[0] if cfg.x_token is None else base[0] + emitted[cfg.x_token] * (
+        base[2] if cfg.follows else 1.0)
+    if cfg.first_token is not None:
+        lx = lx + emitted[cfg.first_token] * (1.0 - base[2])
+    moved = jnp.zeros((), jnp.float32)
     if cfg.decides:
-        lx, mine = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)
-    else:
-        lx = base[0] if cfg.x_token is None else base[0] + emitted[cfg.x_token] * (
-            base[2] if cfg.follows else 1.0)
-        if cfg.first_token is not None:
-            lx = lx + emitted[cfg.first_token] * (1.0 - base[2])
+        chosen_x, mine = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)
+        moved = chosen_x - base[0]
+        if cfg.follows:  # a stream's way in deciding the region before the first layer:
+            # there only (elsewhere its x side is the layer's stream, read as above)
+            first = base[2] == 0
+            chosen_x = jnp.where(first, chosen_x, lx)
+            mine, moved = (jnp.where(first, v, 0.0) for v in (mine, moved))
+        lx = chosen_x
     ratio = _formats.pow2(lx) / _formats.pow2(ly)
     out = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)
     if pc.simulate is not None:
@@ -614,7 +621,6 @@ def _live_point_bwd(cfg, res, cts):
     # the backward pass never reaches (its module's output unused) reads the plan.
     if not cfg.decides:
         mine = jnp.zeros((), jnp.float32)
-    moved = lx - base[0] if cfg.decides else mine
     return (out, jnp.zeros_like(base), jnp.zeros_like(limits), row, _typed_as(mine, chosen),
             tuple(_typed_as(moved, t) for t in taken))
 

@@ -60,7 +60,9 @@ A stack of layers in one scan decides too, a scale per layer (``Live.layers``):
                       chain's layer does, the body's other regions as above, and a way
                       into the first layer inside the body (a block's input point)
                       takes the choice of the region before the scan from a token that
-                      leaves the scan from the first layer
+                      leaves the scan from the first layer, or, where it is that
+                      region's last entry (its whole border before the scan), decides
+                      it at the first layer, the tokens emitted for it entering the scan
 
 The decider measures the arriving cotangent (at the scale of its consumer side) and
 chooses ``g``'s log2 scale (:func:`adaloss_jax._channel.decide`). Every border point
@@ -130,6 +132,10 @@ class Live(NamedTuple):
       ways_in: ``{site key: group}``: a stream's way in inside its body whose side
         before the first layer is a live region (``group``, deciding after the scan):
         its token leaves the scan from the first layer.
+      opens: ``{site key: group}``: a stream's way in inside its body that decides the
+        region before the first layer (``group``: no entry of it after the scan, its
+        whole border before it), at the layer executed first, from the cotangent
+        arriving there; the tokens emitted for it before the scan enter the scan.
     """
 
     groups: tuple[str, ...] = ()
@@ -141,6 +147,7 @@ class Live(NamedTuple):
     fanins: tuple = ()
     streams: frozenset = frozenset()
     ways_in: dict = {}
+    opens: dict = {}
 
     @property
     def any(self) -> bool:
@@ -288,7 +295,7 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     counts.update({(PARAMS_KEY, i): 1 for i in range(len(params))})
     if params_order is not None:
         order.update({(PARAMS_KEY, i): params_order for i in range(len(params))})
-    chains, layers, names, streams, ways = {}, {}, {}, {}, {}
+    chains, layers, names, streams, ways, opens = {}, {}, {}, {}, {}, {}
     for scan in scans:
         chain = _chain(scan, every, order, params, counts)
         if chain is not None:
@@ -306,9 +313,13 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             extra.setdefault(chain.last, []).append(("scan", scan.id))
             order[("scan", scan.id)] = scan.at
             counts[("scan", scan.id)] = 1
-    for scan, st, _ in streams.values():  # a way in at the first layer: on its border
+    opened: dict = {}  # a way in at the first layer: an entry of the region before it
+    for scan, st, _ in streams.values():
         for g in set(st.ways_in.values()):
-            extra.setdefault(g, []).append(("way in", scan.id))
+            mine = [k for k, h in st.ways_in.items() if h == g]
+            # (one way in, met once, may decide there; several sit on its border)
+            one = len(mine) == 1 and counts[mine[0]] == 1
+            (opened if one else extra).setdefault(g, []).append(("way in", scan.id))
             order[("way in", scan.id)] = scan.at
             counts[("way in", scan.id)] = 1
     firsts = {c.slots[c.first] for _, c in relays}
@@ -322,8 +333,8 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
 
     live, needs = _regions([(k, way_in(pair), c) for k, pair, c in every if k not in inside],
                            order, counts, [p and way_in(p) for p in params],
-                           stacked | named, extra, firsts, root=seeded)
-    deciders = {d: g for g, d in live.items()}
+                           stacked | named, extra, firsts, root=seeded, opened=opened)
+    deciders = {d: g for g, d in live.items() if d[0] != "way in"}
     names.update({k: tuple(a if a in ways_in else region_key(a) for a in pair)
                   for k, pair, _ in [*every, *_param_sites(params)]
                   if k not in inside and ways_in & set(pair)})
@@ -340,7 +351,10 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
         needs.update(wanted)
         names.update(named_here)
         for k, g in st.ways_in.items():
-            if g in live:  # its choice, for the first layer's way in
+            if live.get(g) == ("way in", i):  # it decides there, at the first layer
+                deciders[k] = g
+                opens[k] = g
+            elif g in live:  # its choice, for the first layer's way in
                 needs[k] = (*needs.get(k, ()), g)
                 ways[k] = g
     for scan in scans:
@@ -356,18 +370,19 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     groups = [g for g in [*live, *slots] if not isinstance(g, tuple)]
     return Live(tuple(sorted(groups)), deciders, needs, chains, layers, names,
                 tuple(fanins), frozenset(st.chain.decider for _, st, _ in streams.values()),
-                ways)
+                ways, opens)
 
 
 def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: frozenset,
-             extra: dict, firsts=frozenset(), root: bool = False, fanins: bool = True
-             ) -> tuple[dict, dict]:
+             extra: dict, firsts=frozenset(), root: bool = False, fanins: bool = True,
+             opened: dict | None = None) -> tuple[dict, dict]:
     """The live groups with their deciders, and what every site needs, of the sites
-    ``every`` (``extra``: border keys beyond theirs; ``firsts``: groups whose tokens a
-    chain takes; ``root``: whether the root may be live, its regions not the loss's;
-    ``fanins``: whether a fan-in may be, keyed by its anchor set, :func:`region_key`)."""
+    ``every`` (``extra``: border keys beyond theirs; ``opened``: entry keys beyond
+    theirs; ``firsts``: groups whose tokens a chain takes; ``root``: whether the root
+    may be live, its regions not the loss's; ``fanins``: whether a fan-in may be, keyed
+    by its anchor set, :func:`region_key`)."""
     key_of = functools.partial(region_key, fanins=fanins)
-    entries: dict[str, list] = {}
+    entries: dict[str, list] = {g: list(keys) for g, keys in (opened or {}).items()}
     border: dict[str, list] = {g: list(keys) for g, keys in extra.items()}
     unfit: set[str] = set()  # met per layer
     for key, (x, y), convert in every:
@@ -512,7 +527,9 @@ def _stream(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
     layer but the first) takes the layer's choice at every layer after the first
     (there it converts nothing) and at the first the choice of the region before the
     scan where that region decides after it (``ways_in``: its token leaves the scan
-    from the first layer), else its planned scale. Everything else the body names
+    from the first layer); where the way in is the region's last entry,
+    :func:`analyse` makes it the region's decider at the first layer
+    (``Live.opens``), else it keeps its planned scale. Everything else the body names
     keeps the plan outside it (``named``); the consumer only where the exit is its one
     border in the body."""
     run = list(range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length))

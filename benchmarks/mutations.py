@@ -43,8 +43,8 @@ MUTATIONS = {
         "a point reads the planned scale of its consumer side where that region decided"),
     "same-step-exit-token-ignored": (
         "adaloss_jax/_channel.py",
-        "        lx = base[0] if cfg.x_token is None else base[0] + emitted[cfg.x_token]",
-        "        lx = base[0]",
+        "    lx = base[0] if cfg.x_token is None else base[0] + emitted[cfg.x_token] * (",
+        "    lx = base[0] if cfg.x_token is None else base[0] + 0.0 * (",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a point converts into a region that decided at the region's planned scale"),
     "same-step-chain-carry-dropped": (
@@ -68,8 +68,8 @@ MUTATIONS = {
         "or after it"),
     "same-step-stream-way-in-at-every-layer": (
         "adaloss_jax/_channel.py",
-        "            base[2] if cfg.follows else 1.0)",
-        "            1.0)",
+        "        base[2] if cfg.follows else 1.0)",
+        "        1.0)",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "a stream's way in converts from the layer's own stream at the first layer too"),
     "same-step-stream-way-in-token-kept-inside": (
@@ -235,6 +235,37 @@ MUTATIONS = {
         "    plan = _plan(rec, scaler, owners, stacks, frozenset())",
         ["tests/test_live.py"],
         "with the rule's scales alone the root's parameters anchor nothing either"),
+    "way-in-decides-nothing": (
+        "adaloss_jax/_live.py",
+        "(opened if one else extra).setdefault(g, [])",
+        "extra.setdefault(g, [])",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a region entered only at a stream's way in inside the body keeps the plan"),
+    "way-in-decides-at-every-layer": (
+        "adaloss_jax/_channel.py",
+        "            chosen_x = jnp.where(first, chosen_x, lx)",
+        "            chosen_x = chosen_x",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a way in deciding the region before the scan converts into that choice at every "
+        "layer, not only the first"),
+    "way-in-group-scale-summed-over-layers": (
+        "adaloss_jax/_channel.py",
+        "            mine, moved = (jnp.where(first, v, 0.0) for v in (mine, moved))",
+        "            moved = jnp.where(first, moved, 0.0)",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "the group's scale a way in chose is summed over every layer's choice"),
+    "way-in-token-summed-over-layers": (
+        "adaloss_jax/_channel.py",
+        "            mine, moved = (jnp.where(first, v, 0.0) for v in (mine, moved))",
+        "            mine = jnp.where(first, mine, 0.0)",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "the points before the scan read a way in's choice summed over every layer"),
+    "way-in-tokens-left-outside": (
+        "adaloss_jax/_apply.py",
+        "opened = {g: (live.inputs[g], live.tokens.pop(g, []))",
+        "opened = {g: (live.inputs[g], [])",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "the tokens emitted before the scan for a way in's choice never reach it"),
     "stream-parameter-way-in-unnamed": (
         "adaloss_jax/_live.py",
         "                  for k, pair, _ in [*every, *_param_sites(params)]",
@@ -441,9 +472,9 @@ MUTATIONS = {
         "along the rows of zeros that follow"),
     "decider-bounds-read-apart": (
         "adaloss_jax/_channel.py",
-        "        lx, mine = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)\n",
-        "        lx, _ = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)\n"
-        "        mine = lx - limits[2]\n",
+        "        chosen_x, mine = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)\n",
+        "        chosen_x, _ = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)\n"
+        "        mine = chosen_x - limits[2]\n",
         ["tests/test_live.py::test_each_live_region_adds_at_most_one_distinct_kernel_to_the_delayed_rules"],
         "the same numbers, but each decider's plan is read outside its conditional: a "
         "kernel of its own per group, each compiled"),

@@ -615,6 +615,42 @@ def test_a_scanned_gpts_root_decides_at_the_cast_and_its_embedding_sum_with_the_
         assert_fp32_trees_close(got, ref)
 
 
+def test_a_scanned_gpt_in_a_parent_decides_its_embedding_sum_at_the_first_layers_way_in():
+    """The scanned GPT inside a parent module: the sum of the token and position
+    embeddings is the GPT module's region (its position embedding anchors it), and its
+    one entry is the first block's input point inside the scan's body. That way in
+    decides the region at the first layer, from the stream's cotangent arriving there;
+    the token embedding's exit into it, before the scan, takes that choice by a token
+    entering the scan. Exact in fp32 under any prior."""
+    from adaloss_jax.bench._models import GPT
+
+    _, (_, ps), tokens = _gpt_twins()
+    model = _Parent(GPT(layers=3, d_model=16, heads=2, context=8, dtype=jnp.float32,
+                        scan=True))
+    params = {"inner": ps}
+
+    def loss(p, t, y=None):
+        del y
+        logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+    live = alj._grad.trace(loss, SAME_STEP, params, (tokens,), {})[1].live
+    (way,) = live.opens
+    assert live.opens[way] == live.deciders[way] == "inner" and not live.ways_in
+    assert [k[1] for k, n in live.needs.items() if "inner" in n] == [
+        (("inner/embed",), ("inner",))]
+    ref = jax.jit(jax.grad(loss))(params, tokens)
+    rng = np.random.default_rng(17)
+    for _ in range(2):
+        step, state = _grads_through(SAME_STEP, loss, params, (tokens,))
+        ad = state[0]
+        state = (ad.with_log2_scales({g: int(rng.integers(-6, 7)) for g in ad.log2_scales}),
+                 state[1])
+        got, new_state, _ = step(state, params, tokens, _Y)
+        assert bool(new_state[0].base.last_applied)
+        assert_fp32_trees_close(got, ref)
+
+
 class _Gated(nn.Module):
     dtype: jnp.dtype = jnp.float32
 
@@ -631,8 +667,9 @@ class _Highway(nn.Module):
 
     reverse: bool = False
     shift: bool = False  # parameters of the model's own, added before the scan (and
-    # multiplied after it)
+    # multiplied after it, where ``gain``)
     remat: bool = False  # each layer under nn.remat
+    gain: bool = True
 
     @nn.compact
     def __call__(self, x):
@@ -643,7 +680,8 @@ class _Highway(nn.Module):
         stack = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
                         length=4, reverse=self.reverse)
         y = nn.Dense(3)(stack()(x, None)[0])
-        if self.shift:  # (and read again after the scan: the region decides there)
+        if self.shift and self.gain:  # (and read again after the scan: the region
+            # decides there)
             y = y * self.param("gain", nn.initializers.ones, (3,))
         return y
 
@@ -660,7 +698,7 @@ class _Parent(nn.Module):
 
 @pytest.mark.parametrize("reverse,shift,remat", [
     (False, None, False), (True, None, False), (True, "root", False), (True, "parent", False),
-    (False, "parent", True)])
+    (False, "parent", True), (False, "before", False), (True, "before", True)])
 def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(reverse, shift,
                                                                               remat):
     """A stream every layer of a scanned stack reads and adds to decides a scale per
@@ -671,10 +709,13 @@ def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(rev
     converts from there); a parameter of a module around the stack makes that sum the
     module's region, and the way in sits in the body: the layer's own choice at every
     layer but the one executed first (the last slice of a reversed scan), the module's
-    there; and under ``nn.remat`` each layer's points sit in a checkpoint inside the
-    body. fp32 gradients exact under any prior."""
-    model = _Highway(reverse, shift is not None, remat)
-    if shift == "parent":
+    there. Where the module reads it again after the scan, its region decides there;
+    where not (``before``), that way in is its last entry and decides it at the first
+    layer, from the cotangent arriving there, for the tokens emitted before the scan
+    (the Dense's exit into it). Under ``nn.remat`` each layer's points sit in a
+    checkpoint inside the body. fp32 gradients exact under any prior."""
+    model = _Highway(reverse, shift is not None, remat, gain=shift != "before")
+    if shift in ("parent", "before"):
         model = _Parent(model)
     params = model.init(jax.random.key(0), _X[:, :4])["params"]
 
@@ -684,14 +725,19 @@ def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(rev
     x = jnp.asarray(_X[:, :4])
     live = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1].live
     (chain,) = live.chains.values()
-    inner = "inner/" if shift == "parent" else ""
+    inner = "inner/" if shift in ("parent", "before") else ""
     assert len(chain.slots) == 4 and set(chain.slots) <= set(live.fanins)
     assert chain.first == (3 if reverse else 0) and chain.last == inner + "Dense_1"
     assert {inner + "Dense_0", inner + "Dense_1"} <= set(live.groups)
     assert len([g for g in live.groups if g.endswith("]")]) == 8  # 2 per layer
-    assert (shift == "parent") == any(_live.FOLLOW in n for n in live.names.values())
-    if shift == "parent":
-        assert set(live.ways_in.values()) == {"inner"}
+    assert bool(inner) == any(_live.FOLLOW in n for n in live.names.values())
+    assert set(live.ways_in.values()) == ({"inner"} if shift == "parent" else set())
+    assert set(live.opens.values()) == ({"inner"} if shift == "before" else set())
+    if shift == "before":  # the Dense's exit into the sum takes its choice
+        (way,) = live.opens
+        assert live.deciders[way] == "inner" and "inner" in live.groups
+        (exit_,) = [k for k, n in live.needs.items() if "inner" in n]
+        assert exit_[1] == (("inner/Dense_0",), ("inner",))
     if shift == "root":  # the shift's conversion takes the first layer's choice
         (key,) = [k for k in live.needs if k[0] == _live.PARAMS_KEY]
         assert live.needs[key] == (chain.slots[chain.first],)

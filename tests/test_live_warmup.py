@@ -164,21 +164,36 @@ def test_modules_under_remat_decide_in_the_pass_and_skip_nothing(model, grad_dty
                           loss_scale=2.0**loss_log2) == []
 
 
+class _Wrapped(nn.Module):
+    inner: nn.Module
+
+    @nn.compact
+    def __call__(self, x):
+        return self.inner(x)
+
+
 @pytest.mark.parametrize("model,grad_dtype,loss_log2", [
     ("_HighwayScan", "float8_e4m3fn", 0), ("_ResidualScan", "float8_e4m3fn", -20),
-    ("_ResidualScan", "float16", -20), ("gpt", "float8_e5m2", 0)])
+    ("_ResidualScan", "float16", -20), ("gpt", "float8_e5m2", 0),
+    ("wrapped-gpt", "float8_e4m3fn", 0), ("wrapped-gpt", "float16", -20)])
 def test_a_scanned_stacks_stream_decides_in_the_pass_and_skips_nothing(model, grad_dtype,
                                                                        loss_log2):
     """The sweep's ``highway-scan`` and ``residual-scan`` and the bench's byte GPT with
     two blocks in one ``nn.scan``: the stream every layer reads and adds to (a fan-in per
     layer) decides at each layer's exit and the final LayerNorm or head after the
     stack at its own, so step 0 is applied (they ran at the plan, and step 0 was
-    skipped in fp8, steps 0-1 with the loss x 2^-20, and step 0 in float16 there)."""
-    if model == "gpt":
+    skipped in fp8, steps 0-1 with the loss x 2^-20, and step 0 in float16 there).
+    The GPT inside a parent module: the embeddings' sum is the GPT module's region
+    (its position embedding), entered only at the first layer's way in inside the
+    body, which decides it there (it kept the plan, and step 0 was skipped in e4m3,
+    and in float16 with the loss x 2^-20)."""
+    if model.endswith("gpt"):
         from adaloss_jax.bench._models import GPT
 
         tokens = jax.random.randint(jax.random.key(0), (16, 33), 0, 256)
         m, x, y = GPT(layers=2, d_model=32, context=32, scan=True), tokens[:, :-1], tokens[:, 1:]
+        if model == "wrapped-gpt":
+            m = _Wrapped(m)
     else:
         m = getattr(_warmup_models(), model)()
         x = jax.random.normal(jax.random.key(0), (64, 12, 12, 1))  # (the sweep's batch)

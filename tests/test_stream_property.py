@@ -1,7 +1,8 @@
 """Property: per-layer scales are exact, stable and never worse than one global scale, on
 randomly built Flax linen graphs (nesting, reuse with keyword arguments, tied embedding +
-attend, concatenation, residuals, cross-attention to a shared memory, nn.scan, nn.remat,
-dict and tuple outputs, BatchNorm state)."""
+attend, concatenation, residuals, cross-attention to a shared memory, nn.scan (with a
+module's own parameter added before it), nn.remat, dict and tuple outputs, BatchNorm
+state)."""
 
 from __future__ import annotations
 
@@ -24,7 +25,8 @@ from adaloss_jax._layout import Layer
 pytestmark = pytest.mark.slow  # the full suite only (CI)
 
 W, V, T, B = 8, 16, 6, 4
-OPS = ("dense", "reuse", "residual", "concat", "cross", "scan", "remat", "dict", "bn", "nest")
+OPS = ("dense", "reuse", "residual", "concat", "cross", "scan", "remat", "dict", "bn", "nest",
+       "shifted")
 
 
 class Shared(nn.Module):
@@ -89,6 +91,20 @@ class Nest(nn.Module):
         return Residual(self.dtype)(Shared(self.dtype)(x))
 
 
+class Shifted(nn.Module):
+    """A module whose own parameter is added to its input before a scanned stack of
+    cells: the sum is its region, entered only at the first layer's way in inside the
+    scan's body."""
+
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x):
+        x = x + self.param("shift", nn.initializers.normal(1.0), (W,)).astype(self.dtype)
+        return nn.scan(Cell, variable_axes={"params": 0}, split_rngs={"params": True},
+                       length=3)(self.dtype)(x, None)[0]
+
+
 class Gated(nn.Module):
     """A group whose own parameter is read on the way in and whose output is its child's
     (its output point neither converts nor measures anything new, but rounds when
@@ -139,6 +155,8 @@ class RandomNet(nn.Module):
                 x = Nest(dt)(x)
             elif op == "gated":
                 x = Gated(dt)(x)
+            elif op == "shifted":
+                x = Shifted(dt)(x)
         if self.tied:
             return embed.attend(x)
         return nn.Dense(V, dtype=dt)(x)
@@ -254,6 +272,7 @@ def _underflow(scaled, ref) -> list[float]:
 @given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4), tied=st.booleans(),
        tiny=st.sampled_from([1.0, 2.0**-12, 2.0**-20]))
 @example(ops=["scan", "remat", "dict", "cross"], tied=True, tiny=2.0**-20)
+@example(ops=["dense", "shifted", "residual"], tied=False, tiny=2.0**-20)
 def test_random_graphs_exact_stable_and_no_worse_than_global(ops, tied, tiny):
     tokens, params, ref, loss16 = _random_net(ops, tied, tiny)
     warm, checked = 3, 20

@@ -504,6 +504,24 @@ def test_a_scanned_chain_decides_under_transformations_of_the_loss(around):
         assert float(stats.log2_scales[g]) != s, (g, around)
 
 
+def _exact_under_random_priors(loss, params, batch, seed, lo, hi, applied=True):
+    """Two steps from per-group prior log2 scales drawn in ``[lo, hi)``: the unscaled
+    gradients are fp32's (and each step applied, where ``applied``). Returns the step
+    function and the last state it ran from."""
+    ref = jax.jit(jax.grad(loss))(params, *batch)
+    rng = np.random.default_rng(seed)
+    step, state = _grads_through(SAME_STEP, loss, params, batch)
+    ad = state[0]
+    for _ in range(2):
+        state = (ad.with_log2_scales({g: int(rng.integers(lo, hi)) for g in ad.log2_scales}),
+                 state[1])
+        got, new_state, _ = step(state, params, *batch, _Y)
+        if applied:
+            assert bool(new_state[0].base.last_applied)
+        assert_fp32_trees_close(got, ref)
+    return step, state
+
+
 @functools.cache
 def _gpt_twins():
     """The bench's byte GPT (3 pre-LN blocks, fp32) with its blocks unrolled and in one
@@ -604,15 +622,7 @@ def test_a_scanned_gpts_root_decides_at_the_cast_and_its_embedding_sum_with_the_
     for scaler, f, p in ((delayed, loss, ps), (SAME_STEP, loss1, p1), (SAME_STEP, uncast, p1)):
         program = alj._grad.trace(f, scaler, p, (tokens,), {})[1]
         assert not any(pair and pair[0] == ("",) for pair in program.param_pairs)
-    ref = jax.jit(jax.grad(loss))(ps, tokens)
-    rng = np.random.default_rng(5)
-    for _ in range(2):
-        step, state = _grads_through(SAME_STEP, loss, ps, (tokens,))
-        ad = state[0]
-        state = (ad.with_log2_scales({g: int(rng.integers(-6, 7)) for g in ad.log2_scales}),
-                 state[1])
-        got, _, stats = step(state, ps, tokens, _Y)
-        assert_fp32_trees_close(got, ref)
+    _exact_under_random_priors(loss, ps, (tokens,), 5, -6, 7, applied=False)
 
 
 def test_a_scanned_gpt_in_a_parent_decides_its_embedding_sum_at_the_first_layers_way_in():
@@ -639,16 +649,7 @@ def test_a_scanned_gpt_in_a_parent_decides_its_embedding_sum_at_the_first_layers
     assert live.opens[way] == live.deciders[way] == "inner" and not live.ways_in
     assert [k[1] for k, n in live.needs.items() if "inner" in n] == [
         (("inner/embed",), ("inner",))]
-    ref = jax.jit(jax.grad(loss))(params, tokens)
-    rng = np.random.default_rng(17)
-    for _ in range(2):
-        step, state = _grads_through(SAME_STEP, loss, params, (tokens,))
-        ad = state[0]
-        state = (ad.with_log2_scales({g: int(rng.integers(-6, 7)) for g in ad.log2_scales}),
-                 state[1])
-        got, new_state, _ = step(state, params, tokens, _Y)
-        assert bool(new_state[0].base.last_applied)
-        assert_fp32_trees_close(got, ref)
+    _exact_under_random_priors(loss, params, (tokens,), 17, -6, 7)
 
 
 class _Gated(nn.Module):
@@ -741,16 +742,7 @@ def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(rev
     if shift == "root":  # the shift's conversion takes the first layer's choice
         (key,) = [k for k in live.needs if k[0] == _live.PARAMS_KEY]
         assert live.needs[key] == (chain.slots[chain.first],)
-    ref = jax.grad(loss)(params, x)
-    rng = np.random.default_rng(11)
-    for _ in range(2):
-        step, state = _grads_through(SAME_STEP, loss, params, (x,))
-        ad = state[0]
-        state = (ad.with_log2_scales({g: int(rng.integers(-8, 16))
-                                      for g in ad.log2_scales}), state[1])
-        got, new_state, stats = step(state, params, x, _Y)
-        assert bool(new_state[0].base.last_applied)
-        assert_fp32_trees_close(got, ref)
+    _exact_under_random_priors(loss, params, (x,), 11, -8, 16)
 
 
 class _Tanh(nn.Module):
@@ -796,16 +788,7 @@ def test_a_root_parameter_before_a_scanned_chain_converts_from_its_first_layer(r
     (shift,) = [i for i, pair in enumerate(program.param_pairs) if pair]
     assert program.param_pairs[shift] == (("",), (first,))
     assert live.needs[(_live.PARAMS_KEY, shift)] == (first,)
-    ref = jax.grad(loss)(params, x)
-    rng = np.random.default_rng(13)
-    for _ in range(2):
-        step, state = _grads_through(SAME_STEP, loss, params, (x,))
-        ad = state[0]
-        prior = {g: int(rng.integers(-8, 16)) for g in ad.log2_scales}
-        state = (ad.with_log2_scales(prior), state[1])
-        got, new_state, stats = step(state, params, x, _Y)
-        assert bool(new_state[0].base.last_applied)
-        assert_fp32_trees_close(got, ref)
+    step, state = _exact_under_random_priors(loss, params, (x,), 13, -8, 16)
     # From scales far too low, every layer chooses its own in the pass.
     low = (state[0].with_log2_scales({g: -8 for g in state[0].log2_scales}), state[1])
     _, _, stats = step(low, params, x, _Y)

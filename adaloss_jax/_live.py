@@ -80,7 +80,7 @@ from __future__ import annotations
 import functools
 from collections import Counter
 from collections.abc import Sequence
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 from adaloss_jax._layout import Layer
 from adaloss_jax._stream import Steps
@@ -98,12 +98,15 @@ class Chain(NamedTuple):
     and carries on the one its exit emits for the next layer. The first layer's token
     is the sum of those the points before the scan emitted for it; the last layer's
     goes on to its consumer's decider (``last``; ``None``: nobody takes it, and that
-    side reads the plan)."""
+    side reads the plan), or, where the consumer is the first layer of a stack scanned
+    straight after it (this stack's exit its way in), into that stack's carry, as the
+    first token of its own (:func:`_exits`)."""
 
     slots: tuple[str, ...]  # the layers' groups, by slice
     decider: tuple  # the site key of the layers' exit, in the body
     first: int  # the slice executed first (the last one for a reversed scan)
-    last: str | None  # the group deciding after the scan that takes the final token
+    last: Any  # the group deciding after the scan that takes the final token (or the
+    # first layer of the stack scanned straight after it)
 
 
 CHAIN_X, CHAIN_Y = "<layer>", "<next layer>"  # the two sides of a chain's exit, in its body
@@ -228,8 +231,35 @@ def symbol(anchors):
     return anchors
 
 
+def _run(scan: Scan) -> list[int]:
+    """The slices of ``scan``'s stack in the order its layers execute."""
+    return list(range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length))
+
+
+def _relays(y, x, run) -> bool:
+    """Whether per-layer sides ``x`` (a layer's) and ``y`` (what it converts into) pass
+    each layer on to the layer executed next."""
+    return all(y[i] == x[j] for i, j in zip(run, run[1:]))
+
+
+def _exits(scans: Sequence[Scan], every: Sequence[tuple], counts: Counter) -> dict:
+    """``{site key: (scan, the slice of its last layer, its y side there)}``: per scan
+    over a stack, the one point of its body, met once at its top level, that converts
+    every layer into the layer executed next (a chain's or a stream's exit,
+    :func:`_chain`, :func:`_stream`), where it has exactly one."""
+    out = {}
+    for scan in scans:
+        run = _run(scan)
+        found = [(k, y) for k, (x, y), c in every
+                 if k in scan.keys and c and isinstance(x, Steps) and isinstance(y, Steps)
+                 and _relays(y, x, run)]
+        if len(found) == 1 and found[0][0] in scan.top and counts[found[0][0]] == 1:
+            out[found[0][0]] = (scan, run[-1], found[0][1][run[-1]])
+    return out
+
+
 def _chain(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
-           counts: Counter) -> Chain | None:
+           counts: Counter, earlier: dict | None = None) -> Chain | None:
     """``scan``'s :class:`Chain`, or ``None`` where its stack is no chain."""
     inside = [(k, pair) for k, pair, convert in every if k in scan.keys and convert]
     if len(inside) != 1:
@@ -239,32 +269,42 @@ def _chain(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
             or not isinstance(y, Steps) or any(len(a) != 1 for a in x)):
         return None
     slots = tuple(a[0] for a in x)
-    run = list(range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length))
+    run = _run(scan)
     if len(set(slots)) != len(slots) or ROOT in slots:
         return None
-    if any(y[i] != x[j] for i, j in zip(run, run[1:])):  # exits into the next layer
+    if not _relays(y, x, run):  # exits into the next layer
         return None
     mine = set(slots)
 
     def touches(a, b):
-        return any(g in mine for side in (a, b) for g in (_per_layer(side) or side or ()))
+        return any(g in mine for side in (a, b) for g in _region_groups(side))
 
-    if not _only_ways_in(scan, every, params, order, counts, (slots[run[0]],), touches):
+    if not _only_ways_in(scan, every, params, order, counts, (slots[run[0]],), touches,
+                         earlier):
         return None
     return Chain(slots, key, run[0], single(y[run[-1]]))
 
 
 def _only_ways_in(scan: Scan, every: Sequence[tuple], params: Sequence, order: dict,
-                  counts: Counter, first, touches) -> bool:
+                  counts: Counter, first, touches, earlier: dict | None = None) -> bool:
     """Whether every point outside ``scan``'s body and every parameter conversion that
     ``touches(x, y)`` the stack is a way into its first layer (anchors ``first``) before
     the scan: one converting into it from a whole region, met once, earlier in the
     scan's scope (a parameter read in the first layer's region, such as the root's
-    position embedding, converts there), or one measuring it without converting."""
+    position embedding, converts there), one measuring it without converting, or, in
+    the body of a stack scanned earlier in that scope, that stack's exit converting its
+    last layer into it or a point measuring it there (``earlier``: the exits of
+    :func:`_exits`, which :func:`analyse` keeps only where their stacks relay too)."""
     outside = [(k, pair, convert) for k, pair, convert in every if k not in scan.keys]
     for k, (a, b), convert in [*outside, *_param_sites(params)]:
         if not touches(a, b) or (not convert and a == b == first):
             continue
+        into = [(e, at) for e, (other, at, _) in (earlier or {}).items() if k in other.keys
+                and other.at[0] == scan.at[0] and other.at[1] < scan.at[1]]
+        if into:  # (in the body of a stack scanned before it)
+            (e, at), side = into[0], (b if convert else a)
+            if (k == e if convert else a == b) and side[at] == first:
+                continue
         if (not convert or isinstance(a, Steps) or b != first or counts[k] != 1
                 or k not in order or order[k][0] != scan.at[0] or order[k][1] >= scan.at[1]):
             return False
@@ -295,16 +335,35 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     counts.update({(PARAMS_KEY, i): 1 for i in range(len(params))})
     if params_order is not None:
         order.update({(PARAMS_KEY, i): params_order for i in range(len(params))})
-    chains, layers, names, streams, ways, opens = {}, {}, {}, {}, {}, {}
-    for scan in scans:
-        chain = _chain(scan, every, order, params, counts)
-        if chain is not None:
-            chains[scan.id] = (scan, chain)
-            continue
-        stream = _stream(scan, every, order, params, counts)
-        found = stream and _inside(scan, every, params, counts, stream)
-        if found and found[1].get(stream.chain.decider) == CHAIN_X:
-            streams[scan.id] = (scan, stream, found)
+    exits = _exits(scans, every, counts)
+    while True:  # (a stack entered from another's exit relays only where that one does)
+        chains, streams = {}, {}
+        for scan in scans:
+            chain = _chain(scan, every, order, params, counts, exits)
+            if chain is not None:
+                chains[scan.id] = (scan, chain)
+                continue
+            stream = _stream(scan, every, order, params, counts, exits)
+            found = stream and _inside(scan, every, params, counts, stream)
+            if found and found[1].get(stream.chain.decider) == CHAIN_X:
+                streams[scan.id] = (scan, stream, found)
+        relays = [*chains.values(), *((scan, st.chain) for scan, st, _ in streams.values())]
+        kept = {k: v for k, v in exits.items() if any(c.decider == k for _, c in relays)}
+        if kept == exits:
+            break
+        exits = kept
+    layers, names, ways, opens = {}, {}, {}, {}
+    firsts = {c.slots[c.first] for _, c in relays}
+    # a stack whose last layer's exit converts into the first layer of a stack scanned
+    # after it: its final token goes on to that layer's exit, which takes it in its carry
+    passes = {k: last for k, (_, _, last) in exits.items() if last in firsts}
+    for i, (scan, c) in list(chains.items()):
+        if c.decider in passes:
+            chains[i] = (scan, c._replace(last=passes[c.decider]))
+    for i, (scan, st, found) in list(streams.items()):
+        if st.chain.decider in passes:
+            streams[i] = (scan, st._replace(chain=st.chain._replace(
+                last=passes[st.chain.decider])), found)
     relays = [*chains.values(), *((scan, st.chain) for scan, st, _ in streams.values())]
     inside = {k for scan, _ in relays for k in scan.keys}
     extra: dict = {}  # a chain's final token: a way into its consumer
@@ -322,7 +381,6 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             (opened if one else extra).setdefault(g, []).append(("way in", scan.id))
             order[("way in", scan.id)] = scan.at
             counts[("way in", scan.id)] = 1
-    firsts = {c.slots[c.first] for _, c in relays}
     # a way into a stream's first layer: its anchor set as the name of the token it emits
     ways_in = {st.chain.slots[st.chain.first] for _, st, _ in streams.values()}
     named = frozenset().union(*(st.named for _, st, _ in streams.values()))
@@ -342,10 +400,11 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
         deciders[c.decider] = CHAIN_X
         needs[c.decider] = (CHAIN_Y,)
         names[c.decider] = (CHAIN_X, CHAIN_Y)
-        chains[i] = c._replace(last=c.last if c.last in live else None)
+        chains[i] = c._replace(last=c.last if c.last in live or c.last in firsts else None)
         layers[i] = {CHAIN_X: c.slots}
     for i, (_, st, (by_name, here, wanted, named_here)) in streams.items():
-        chains[i] = st.chain._replace(last=st.chain.last if st.chain.last in live else None)
+        chains[i] = st.chain._replace(
+            last=st.chain.last if st.chain.last in live or st.chain.last in firsts else None)
         layers[i] = by_name
         deciders.update(here)
         needs.update(wanted)
@@ -436,9 +495,10 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
 
 def _region_groups(side) -> list:
     """The groups whose own region a side names: its one group, or a stack's slots read
-    alone; a fan-in's anchors are not theirs (its region is the fan-in's)."""
+    alone; a fan-in's anchors are not theirs (its region is the fan-in's), a layer's
+    fan-in's neither."""
     if isinstance(side, Steps):
-        return _per_layer(side)
+        return [g for a in side for g in _region_groups(a)]
     return list(side) if side and len(side) == 1 else []
 
 
@@ -509,7 +569,7 @@ class Stream(NamedTuple):
 
 
 def _stream(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
-            counts: Counter) -> Stream | None:
+            counts: Counter, earlier: dict | None = None) -> Stream | None:
     """``scan``'s stream, or ``None``: a value every layer reads and adds to (a residual
     stream, a highway's carry), each layer's a fan-in of its own (its readers from that
     layer on), that the layers pass on as a :class:`Chain`'s layers do: exactly one
@@ -532,11 +592,10 @@ def _stream(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
     (``Live.opens``), else it keeps its planned scale. Everything else the body names
     keeps the plan outside it (``named``); the consumer only where the exit is its one
     border in the body."""
-    run = list(range(scan.length - 1, -1, -1) if scan.reverse else range(scan.length))
+    run = _run(scan)
     body = [(k, pair, c) for k, pair, c in every if k in scan.keys]
     exits = [(k, x, y) for k, (x, y), c in body
-             if c and _fan_in_per_layer(x) and isinstance(y, Steps)
-             and all(y[i] == x[j] for i, j in zip(run, run[1:]))]
+             if c and _fan_in_per_layer(x) and isinstance(y, Steps) and _relays(y, x, run)]
     if len(exits) != 1 or exits[0][0] not in scan.top or counts[exits[0][0]] != 1:
         return None
     key, stream, out = exits[0]
@@ -565,7 +624,7 @@ def _stream(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
                 return None
             named.update(a[0] if len(a) == 1 else a for a in parts if a)
     if not _only_ways_in(scan, every, params, order, counts, stream[first],
-                         lambda a, b: layer & {*_parts(a), *_parts(b)}):
+                         lambda a, b: layer & {*_parts(a), *_parts(b)}, earlier):
         return None
     last = single(out[run[-1]])
     if last is None or last in named or last == ROOT:

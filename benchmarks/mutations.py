@@ -88,8 +88,8 @@ MUTATIONS = {
         "executed first"),
     "same-step-stream-named-outside": (
         "adaloss_jax/_live.py",
-        "                         lambda a, b: layer & {*_parts(a), *_parts(b)}):",
-        "                         lambda a, b: False):",
+        "                         lambda a, b: layer & {*_parts(a), *_parts(b)}, earlier):",
+        "                         lambda a, b: False, earlier):",
         ["tests/test_live.py"],
         "a stack's stream read outside its body besides the first layer's way in decides "
         "in the body all the same"),
@@ -266,6 +266,38 @@ MUTATIONS = {
         "opened = {g: (live.inputs[g], [])",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the tokens emitted before the scan for a way in's choice never reach it"),
+    "stacks-handoff-unchecked": (
+        "adaloss_jax/_live.py",
+        "        if kept == exits:\n            break",
+        "        if True:\n            break",
+        ["tests/test_live.py"],
+        "a stack entered from another's exit relays though that one does not"),
+    "stacks-handoff-token-dropped": (
+        "adaloss_jax/_live.py",
+        "    passes = {k: last for k, (_, _, last) in exits.items() if last in firsts}",
+        "    passes = {}",
+        ["tests/test_live.py"],
+        "a stack's final token never reaches the stack scanned straight after it"),
+    "stacks-handoff-chain-last-cleared": (
+        "adaloss_jax/_live.py",
+        "c._replace(last=c.last if c.last in live or c.last in firsts else None)",
+        "c._replace(last=c.last if c.last in live else None)",
+        ["tests/test_live.py"],
+        "a chain's final token dropped where its consumer is another stack's first layer"),
+    "earlier-stack-measure-refused": (
+        "adaloss_jax/_live.py",
+        "            if (k == e if convert else a == b) and side[at] == first:",
+        "            if convert and k == e and side[at] == first:",
+        ["tests/test_live.py"],
+        "a point measuring a stack's first layer inside the stack scanned before it "
+        "makes it keep the plan"),
+    "chain-touched-by-fan-ins": (
+        "adaloss_jax/_live.py",
+        "for side in (a, b) for g in _region_groups(side))",
+        "for side in (a, b) for g in (_per_layer(side) or side or ()))",
+        ["tests/test_live.py"],
+        "a chain counts a fan-in its first layer reads as touching it, and keeps the plan "
+        "after a stream"),
     "stream-parameter-way-in-unnamed": (
         "adaloss_jax/_live.py",
         "                  for k, pair, _ in [*every, *_param_sites(params)]",

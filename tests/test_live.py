@@ -164,6 +164,33 @@ def test_a_stack_that_is_no_chain_keeps_the_plan(case):
     assert not live.chains and not {Layer("s", 0), Layer("s", 1), Layer("s", 2)} & set(live.groups)
 
 
+@pytest.mark.parametrize("case", [None, "measured in the first", "first no chain"])
+def test_a_chain_scanned_straight_into_another_passes_its_final_token_on(case):
+    # inp -> s[0] -> s[1] -> s[2] -> t[0] -> t[1] -> t[2] -> head: the exit of the first
+    # stack's last layer (in its body) is the second's one way in.
+    t = Steps([(s,) for s in layers("t", 3)])
+    into_t = Steps([(Layer("s", 1),), (Layer("s", 2),), (Layer("t", 0),)])
+    every = [_site("inp_out", ("inp",), (Layer("s", 0),)), ("s_exit", (_S, into_t), True),
+             ("t_exit", (t, Steps([(Layer("t", 1),), (Layer("t", 2),), ("head",)])), True),
+             _site("head_out", ("head",), ("",))]
+    s_keys = {"s_exit"}
+    if case == "measured in the first":  # the next layer's input measured in its body
+        every.insert(2, ("s_next", (into_t, into_t), False))
+        s_keys.add("s_next")
+    elif case == "first no chain":  # a later layer of the first read after both scans
+        every.append(_site("after", (Layer("s", 2),), ("",)))
+    scans = [_live.Scan(1, ((), (1,)), 3, False, frozenset(s_keys), frozenset(s_keys)),
+             _live.Scan(2, ((), (2,)), 3, False, frozenset({"t_exit"}),
+                        frozenset({"t_exit"}))]
+    live = _live.analyse(every, _top("inp_out", "s", "t", "head_out", "after"), [], None,
+                         scans=scans)
+    if case == "first no chain":  # its exit converts at the plan: the second keeps it too
+        assert not live.chains and not set(layers("t", 3)) & set(live.groups)
+        return
+    assert live.chains[1].last == Layer("t", 0) and live.chains[2].last == "head"
+    assert set(layers("s", 3)) | set(layers("t", 3)) <= set(live.groups)
+
+
 def test_regions_inside_a_layer_decide_as_one_symbol_per_stacked_group():
     # In the body: the residual stream (a fan-in of every layer) -> ln[i] -> fc[i] ->
     # the stream. ln and fc decide per layer; the stream keeps the plan.
@@ -793,6 +820,73 @@ def test_a_root_parameter_before_a_scanned_chain_converts_from_its_first_layer(r
     low = (state[0].with_log2_scales({g: -8 for g in state[0].log2_scales}), state[1])
     _, _, stats = step(low, params, x, _Y)
     assert all(float(stats.log2_scales[g]) > 0 for g in chain.slots)
+
+
+class _TwoStacks(nn.Module):
+    """Two stacks scanned one after the other, nothing between them: the first's last
+    layer exits straight into the second's first. Each a chain (tanh layers) or a
+    stream (highway layers), forward or reversed."""
+
+    kinds: tuple = ("chain", "chain")
+    reverse: tuple = (False, False)
+    read: bool = False  # every layer's output of the first stack read after it too
+    # (:class:`_Outputs`)
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        outs = []
+        for kind, reverse in zip(self.kinds, self.reverse):
+            layer = _Tanh if kind == "chain" else _Gated
+            if self.read and not outs:
+                layer = _Outputs
+            x, ys = nn.scan(layer, variable_axes={"params": 0}, split_rngs={"params": True},
+                            length=3, reverse=reverse)()(x, None)
+            outs.append(ys)
+        y = nn.Dense(3)(x)
+        return y + nn.Dense(3)(jnp.sum(outs[0], 0)) if self.read else y
+
+
+class _Outputs(nn.Module):
+    """A tanh layer that also outputs its result, doubled, stacked along the scan: its
+    exit into the next layer is the one point of the body that relays, but the body
+    converts into the stacked output too, so the stack is no chain."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        h = jnp.tanh(nn.Dense(8)(x))
+        return h, 2.0 * h
+
+
+@pytest.mark.parametrize("kinds,reverse", [
+    (("chain", "chain"), (False, False)), (("stream", "stream"), (False, True)),
+    (("chain", "stream"), (True, False)), (("stream", "chain"), (True, True)),
+    ("read", (False, False))])
+def test_a_stack_scanned_straight_into_another_hands_it_its_last_layers_token(kinds,
+                                                                             reverse):
+    """The first stack's exit at its last layer is the second's way in, inside the
+    first scan's body: the second stack still decides per layer (it kept the plan), and
+    the first's final token goes on to the second's first layer, whose choice the first
+    stack's last layer converts into. Where every layer's output of the first stack is
+    read after it too, that stack relays nothing, and the second, entered from a point
+    at the plan, keeps the plan as well. fp32 gradients exact under any prior."""
+    model = (_TwoStacks(("chain", "chain"), reverse, read=True) if kinds == "read"
+             else _TwoStacks(kinds, reverse))
+    x = jnp.asarray(_X[:, :4])
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p, x, y=None):
+        return jnp.mean(model.apply({"params": p}, x) ** 2)
+
+    live = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1].live
+    if kinds == "read":  # the first stack relays nothing: the second keeps the plan too
+        assert not live.chains
+        _exact_under_random_priors(loss, params, (x,), 23, -8, 16)
+        return
+    first, second = sorted(live.chains.values(), key=lambda c: c.last == "Dense_1")
+    assert len(live.chains) == 2 and first.last == second.slots[second.first]
+    assert second.last == "Dense_1" and "Dense_1" in live.groups
+    _exact_under_random_priors(loss, params, (x,), 19, -8, 16)
 
 
 @functools.cache

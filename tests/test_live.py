@@ -772,6 +772,28 @@ def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(rev
     _exact_under_random_priors(loss, params, (x,), 11, -8, 16)
 
 
+@pytest.mark.parametrize("around", ["jit", "remat", "vmap"])
+@pytest.mark.parametrize("model", ["way in decides", "stacks back to back"])
+def test_a_way_in_deciding_and_stacks_back_to_back_hold_under_transformations(model,
+                                                                            around):
+    """The way in deciding the region before a stack (a parent's parameter added before
+    the scan only) and two stacks scanned straight one after the other, with the loss
+    under ``jit``, ``checkpoint`` or ``vmap``: the same analysis as untransformed, and
+    fp32 gradients exact under any prior."""
+    m = (_Parent(_Highway(False, True, gain=False)) if model == "way in decides"
+         else _TwoStacks(("stream", "stream"), (False, True)))
+    x = jnp.asarray(_X[:, :4])
+    params = m.init(jax.random.key(0), x)["params"]
+    loss = _STACK_AROUND[around](lambda p, x, y=None: jnp.mean(m.apply({"params": p}, x) ** 2))
+    live = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1].live
+    if model == "way in decides":
+        assert set(live.opens.values()) == {"inner"} and "inner" in live.groups
+    else:
+        first, second = sorted(live.chains.values(), key=lambda c: c.last == "Dense_1")
+        assert second.last == "Dense_1" and first.last == second.slots[second.first]
+    _exact_under_random_priors(loss, params, (x,), 29, -8, 16)
+
+
 class _Tanh(nn.Module):
     @nn.compact
     def __call__(self, x, _):

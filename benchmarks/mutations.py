@@ -235,6 +235,13 @@ MUTATIONS = {
         "    plan = _plan(rec, scaler, owners, stacks, frozenset())",
         ["tests/test_live.py"],
         "with the rule's scales alone the root's parameters anchor nothing either"),
+    "scan-over-time-body-in-a-live-scope": (
+        "adaloss_jax/_apply.py",
+        "            ctx = None\n",
+        "            ctx = \"\"\n",
+        ["tests/test_live.py"],
+        "a scan that is no live stack (an RNN over time) evaluates its body as in a live "
+        "scope: a checkpoint in the body looks for tokens"),
     "way-in-decides-nothing": (
         "adaloss_jax/_live.py",
         "(opened if one else extra).setdefault(g, [])",

@@ -16,7 +16,8 @@ statistics and any skipped step is the scale rule's doing:
   Dense layers, each block under ``nn.remat``), ``remat-scan`` (six tanh Dense layers,
   one ``nn.scan`` of an ``nn.remat`` layer), ``highway-scan`` (five highway layers in
   one ``nn.scan``), ``residual-scan`` (six pre-norm residual MLP blocks in one
-  ``nn.scan``), all fp16 compute.
+  ``nn.scan``), ``gru`` (an image read row by row by Flax's ``nn.RNN`` of a GRU cell:
+  a scan over time), all fp16 compute.
 
 For each: fp16 and e4m3 cotangents (``simulate=True``; ``--formats`` adds e5m2), per
 module and one global scale,
@@ -194,9 +195,21 @@ class _ResidualScan(nn.Module):
             nn.LayerNorm(dtype=jnp.float16)(stack()(x, None)[0]))
 
 
+class _Gru(nn.Module):
+    """An image read row by row: a Dense per row, Flax's ``nn.RNN`` of a GRU cell over
+    the 12 rows (a scan over time, its parameters shared by every step), a Dense head on
+    the last step."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(32, dtype=jnp.float16)(x.reshape(x.shape[0], 12, -1))
+        h = nn.RNN(nn.GRUCell(32, dtype=jnp.float16))(x)[:, -1]
+        return nn.Dense(10, dtype=jnp.float16)(h)
+
+
 _SWEEP = {"cnn": _CNN, "deepsig": _DeepSigmoid, "residual": _Residual,
           "growing": _Growing, "remat": _Remat, "remat-scan": _RematScan,
-          "highway-scan": _HighwayScan, "residual-scan": _ResidualScan}
+          "highway-scan": _HighwayScan, "residual-scan": _ResidualScan, "gru": _Gru}
 TASKS = ("attn5", "gpt6", "gpt6-scan", "tied", *_SWEEP)
 
 

@@ -1116,6 +1116,46 @@ def test_a_scan_of_the_loss_keeps_the_plan_and_stays_exact():
     assert_fp32_trees_close(got, jax.grad(loss)(params, jnp.asarray(_X)))
 
 
+class _Recurrent(nn.Module):
+    """A Dense per time step, Flax's ``nn.RNN`` over time (a GRU cell under
+    ``nn.remat``, or an LSTM cell, whose carry is a pair), a Dense head on the last
+    step."""
+
+    cell: str
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        cell = nn.remat(nn.GRUCell)(8) if self.cell == "gru" else nn.LSTMCell(8)
+        return nn.Dense(4)(nn.RNN(cell)(x)[:, -1])
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_an_rnn_over_time_keeps_the_plan_in_its_scan_and_stays_exact(cell):
+    """Flax's ``nn.RNN``: a scan over time whose every step reads the cell's parameters
+    (one scale for all steps, their gradients summed over them). The cell keeps the
+    rule's scale, and so does the head (the cell's output is read by the head alone, so
+    the head's region reaches into the scan's body); the Dense before the scan decides;
+    the gradients are fp32's under any prior, a checkpoint in the scan's body included."""
+    model = _Recurrent(cell)
+    x = jax.random.normal(jax.random.key(1), (4, 5, 3))
+    labels = jnp.asarray([0, 1, 2, 3])
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p, x, y=None):
+        logits = model.apply({"params": p}, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (x,), {})
+    cell_groups = {g for g in alj.param_groups(params, SAME_STEP) if "Cell" in g}
+    assert cell_groups and not cell_groups & set(program.live.groups)
+    assert program.live.groups == ("Dense_0",)
+    step, state = _exact_under_random_priors(loss, params, (x,), 7, -6, 12)
+    _, _, stats = step(state, params, x, _Y)
+    for g in cell_groups | {"Dense_1"}:  # (the scale it was given)
+        assert float(stats.log2_scales[g]) == float(state[0].log2_scales[g])
+
+
 def test_a_vmap_inside_the_loss_decides_on_the_whole_batch():
     """A per-example loss under vmap: the decider sees the batched cotangent, so its
     choice is the batch's (the largest example's), its first reserve that of a sum over

@@ -2,7 +2,7 @@
 randomly built Flax linen graphs (nesting, reuse with keyword arguments, tied embedding +
 attend, concatenation, residuals, cross-attention to a shared memory, nn.scan (with a
 module's own parameter added before it), nn.remat, dict and tuple outputs, BatchNorm
-state)."""
+state, Flax's ``nn.RNN`` over the tokens, a ``fori_loop`` over one kernel)."""
 
 from __future__ import annotations
 
@@ -26,7 +26,7 @@ pytestmark = pytest.mark.slow  # the full suite only (CI)
 
 W, V, T, B = 8, 16, 6, 4
 OPS = ("dense", "reuse", "residual", "concat", "cross", "scan", "remat", "dict", "bn", "nest",
-       "shifted")
+       "shifted", "rnn", "fori")
 
 
 class Shared(nn.Module):
@@ -105,6 +105,30 @@ class Shifted(nn.Module):
                        length=3)(self.dtype)(x, None)[0]
 
 
+class Recurrent(nn.Module):
+    """Flax's ``nn.RNN`` of a GRU cell (under ``nn.remat``) over the tokens, added to its
+    input: a scan over time, its parameters broadcast to every step (one scale for all
+    of them, their gradients summed over the steps), a checkpoint in its body."""
+
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.RNN(nn.remat(nn.GRUCell)(W, dtype=self.dtype))(x).astype(x.dtype)
+
+
+class Looped(nn.Module):
+    """A module's own kernel applied twice by ``jax.lax.fori_loop`` (a loop of fixed
+    length, differentiated as a scan): no scale point inside the loop."""
+
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x):
+        k = self.param("kernel", nn.initializers.lecun_normal(), (W, W)).astype(self.dtype)
+        return jax.lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h @ k) + h, x)
+
+
 class Gated(nn.Module):
     """A group whose own parameter is read on the way in and whose output is its child's
     (its output point neither converts nor measures anything new, but rounds when
@@ -157,6 +181,10 @@ class RandomNet(nn.Module):
                 x = Gated(dt)(x)
             elif op == "shifted":
                 x = Shifted(dt)(x)
+            elif op == "rnn":
+                x = Recurrent(dt)(x)
+            elif op == "fori":
+                x = Looped(dt)(x)
         if self.tied:
             return embed.attend(x)
         return nn.Dense(V, dtype=dt)(x)
@@ -273,6 +301,7 @@ def _underflow(scaled, ref) -> list[float]:
        tiny=st.sampled_from([1.0, 2.0**-12, 2.0**-20]))
 @example(ops=["scan", "remat", "dict", "cross"], tied=True, tiny=2.0**-20)
 @example(ops=["dense", "shifted", "residual"], tied=False, tiny=2.0**-20)
+@example(ops=["rnn", "fori", "residual"], tied=True, tiny=2.0**-12)
 def test_random_graphs_exact_stable_and_no_worse_than_global(ops, tied, tiny):
     tokens, params, ref, loss16 = _random_net(ops, tied, tiny)
     warm, checked = 3, 20
@@ -505,6 +534,6 @@ def test_groups_cut_at_max_depth_are_exact_stable_and_no_worse_than_global(ops, 
         assert_conformance(step, state, results, groups, ref, ops, reached)
         applied[groups] = len(_applied_points(loss16, scaler, params, tokens))
     per_module = alj.adaptive(groups="module")
-    nested = set(ops) - {"dense", "bn"}  # every other op is a module with children
+    nested = set(ops) - {"dense", "bn", "fori"}  # every other op is a module with children
     n_module = len(_applied_points(loss16, per_module, params, tokens))
     assert applied["module"] < n_module if nested else applied["module"] == n_module, ops

@@ -91,7 +91,9 @@ class Program:
         it, the branches in order: :meth:`_checkpoint`, :meth:`_switch`); points inside
         a scan or a ``shard_map`` of the loss have none (their backward pass runs per
         iteration or per device), and a scan over a stack of layers orders its body's
-        points in a scope of their own."""
+        points in a scope of their own. A scan of one iteration that is no stack is its
+        body run once (:meth:`_scan` evaluates it so): its points are in the scope
+        around it."""
         every = [((s.n, s.pair), s.pair, s.cfg.convert) for s in self.sites()]
         top: list = []
         params_at: list = []
@@ -104,7 +106,7 @@ class Program:
                     out.extend(((s.n, s.pair), (scope, at)) for s in self._point_sites(eqn))
                 elif kind == _jaxpr.PARAMS:
                     params_at.append((scope, at))
-                elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.COND):
+                elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.COND) or self._once(eqn):
                     for b, sub in enumerate(_jaxpr.subprograms(eqn)):
                         walk(sub.jaxpr, scope, at + (b,), out)
                 elif kind == _jaxpr.SCAN and id(eqn) in self.plan.scans:
@@ -121,6 +123,12 @@ class Program:
         params_order = params_at[0] if len(params_at) == 1 else None
         return _live.analyse(every, top, self.param_pairs, params_order, self.plan.stacked,
                              scans)
+
+    def _once(self, eqn) -> bool:
+        """Whether ``eqn`` is a scan of one iteration over no stack of layers (a
+        one-layer ``nn.scan``, whose stacked parameters the plan reads as one group's)."""
+        return (self.reader.kind(eqn) == _jaxpr.SCAN and eqn.params["length"] == 1
+                and id(eqn) not in self.plan.scans)
 
     # ---------------------------------------------------------------- the rows
 
@@ -447,6 +455,10 @@ class Program:
         p = eqn.params
         nc, ncar = p["num_consts"], p["num_carry"]
         consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+        if self._once(eqn):  # the body once, in the scope around it (:meth:`_live`)
+            outs = self._eval(sub.jaxpr, sub.consts, [*consts, *init, *(x[0] for x in xs)],
+                              [d[0] for d in block], ratios, live)
+            return [*outs[:ncar], *(jnp.asarray(y)[None] for y in outs[ncar:])]
         layered = []
         if id(eqn) in self.plan.scans:
             layered = sorted({s.pair for s in self._sites_of(sub.jaxpr) if _varies(s.pair)

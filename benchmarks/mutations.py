@@ -235,6 +235,19 @@ MUTATIONS = {
         "    plan = _plan(rec, scaler, owners, stacks, frozenset())",
         ["tests/test_live.py"],
         "with the rule's scales alone the root's parameters anchor nothing either"),
+    "one-iteration-scan-walked-apart": (
+        "adaloss_jax/_apply.py",
+        "elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.COND) or self._once(eqn):",
+        "elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.COND):",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a scan of one iteration is analysed as a scan over time: its body keeps the plan"),
+    "one-iteration-scan-scanned": (
+        "adaloss_jax/_apply.py",
+        "        if self._once(eqn):  # the body once",
+        "        if False:  # the body once",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a scan of one iteration is analysed as its body run once but evaluated as a scan "
+        "outside the live scope"),
     "scan-over-time-body-in-a-live-scope": (
         "adaloss_jax/_apply.py",
         "            ctx = None\n",

@@ -633,22 +633,28 @@ def test_a_scanned_gpts_root_decides_at_the_cast_and_its_embedding_sum_with_the_
     (pos,) = [i for i, pair in enumerate(program.param_pairs) if pair and pair[0] == ("",)]
     assert program.param_pairs[pos][1] == stream.slots[stream.first]
     assert live.needs[(_live.PARAMS_KEY, pos)] == ("", stream.slots[stream.first])
-    # The rule's scales alone (same_step=False), or a stack of one layer (its stream,
-    # the same fan-in at every layer, keeps the plan): the position embedding anchors
-    # its region, as before, and the root's statistics hold it.
+    # The rule's scales alone (same_step=False): the position embedding anchors its
+    # region, as before, and the root's statistics hold it.
     delayed = dataclasses.replace(SAME_STEP, same_step=False)
+    program = alj._grad.trace(loss, delayed, ps, (tokens,), {})[1]
+    assert not any(pair and pair[0] == ("",) for pair in program.param_pairs)
+    # A scan of one layer runs its body once, as the unrolled block: the embedding
+    # converts into the fan-in of the block's norms and the final norm, whether the
+    # loss casts through float16 (the root decides there) or not.
     one = GPT(layers=1, d_model=16, heads=2, context=8, dtype=jnp.float32, scan=True)
     p1 = one.init(jax.random.key(0), tokens[:, :-1])["params"]
 
-    def loss1(p, t, y=None, cast=jnp.float16):  # (not through float16: no root decides)
+    def loss1(p, t, y=None, cast=jnp.float16):
         return optax.softmax_cross_entropy_with_integer_labels(
             one.apply({"params": p}, t[:, :-1]).astype(cast).astype(jnp.float32),
             t[:, 1:]).mean()
 
-    uncast = functools.partial(loss1, cast=jnp.float32)
-    for scaler, f, p in ((delayed, loss, ps), (SAME_STEP, loss1, p1), (SAME_STEP, uncast, p1)):
-        program = alj._grad.trace(f, scaler, p, (tokens,), {})[1]
-        assert not any(pair and pair[0] == ("",) for pair in program.param_pairs)
+    for cast in (jnp.float16, jnp.float32):
+        program = alj._grad.trace(functools.partial(loss1, cast=cast), SAME_STEP, p1,
+                                  (tokens,), {})[1]
+        assert [pair[1] for pair in program.param_pairs if pair and pair[0] == ("",)] == [
+            ("blocks/layer/ln1", "blocks/layer/ln2", "ln_f")]
+        assert ("" in program.live.groups) == (cast == jnp.float16)
     _exact_under_random_priors(loss, ps, (tokens,), 5, -6, 7, applied=False)
 
 
@@ -1114,6 +1120,34 @@ def test_a_scan_of_the_loss_keeps_the_plan_and_stays_exact():
         got, _, stats = step(state, params, jnp.asarray(_X), _Y)
     assert float(stats.log2_scales["d1"]) == 5.0
     assert_fp32_trees_close(got, jax.grad(loss)(params, jnp.asarray(_X)))
+
+
+def test_a_scan_of_one_layer_runs_its_body_once_and_decides_as_its_unrolled_twin():
+    """A GPT of one block in its ``nn.scan``: the plan reads the block's stacked
+    parameters as one group's (no stack), and the scan runs its body once, so its
+    points are in the scope around it: the same regions decide as in the unrolled
+    block (they kept the plan), and the gradients are fp32's under any prior."""
+    from adaloss_jax.bench._models import GPT
+
+    kw = dict(layers=1, d_model=16, heads=2, context=8, dtype=jnp.float32)
+    tokens = jax.random.randint(jax.random.key(3), (2, 9), 0, 256)
+    live = {}
+    for scan in (False, True):
+        model = GPT(**kw, scan=scan)
+        params = model.init(jax.random.key(0), tokens[:, :-1])["params"]
+
+        def loss(p, t, y=None, model=model):
+            logits = model.apply({"params": p}, t[:, :-1]).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(logits, t[:, 1:]).mean()
+
+        _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (tokens,), {})
+        name = lambda g: g.replace("blocks/layer", "block_0")  # noqa: E731
+        live[scan] = ({name(g) for g in program.live.groups},
+                      {tuple(map(name, f)) for f in program.live.fanins})
+        if scan:
+            _exact_under_random_priors(loss, params, (tokens,), 5, -6, 12)
+    assert live[True] == live[False]
+    assert "block_0/attn/qkv" in live[True][0] and live[True][1]
 
 
 class _Recurrent(nn.Module):

@@ -85,16 +85,18 @@ def test_an_attention_block_keeps_room_for_its_kernel_sums_and_skips_nothing():
 
 
 def test_a_scanned_gpt_whose_cotangents_flush_in_e4m3_skips_only_step_0():
-    """The bench's byte GPT, one scanned block, e4m3 cotangents: at step 0's scales
-    cotangents on their way into some groups flush entirely, so those groups' statistics
-    miss their largest values; the rule caps their rise at the jump that cannot overflow
-    what was lost (without the cap, steps after 0 overflowed and were skipped)."""
+    """The bench's byte GPT, one scanned block, e4m3 cotangents, every scale the rule's
+    (``same_step=False``): at step 0's scales cotangents on their way into some groups
+    flush entirely, so those groups' statistics miss their largest values; the rule
+    caps their rise at the jump that cannot overflow what was lost (without the cap,
+    steps after 0 overflowed and were skipped). With same-step scales (the default) its
+    regions decide in the pass and nothing is skipped."""
     from adaloss_jax.bench._models import GPT
 
     tokens = jax.random.randint(jax.random.key(0), (16, 64), 0, 256)
-    skipped = _warm_up_skips(GPT(layers=1, scan=True), tokens[:, :-1], tokens[:, 1:],
-                             "float8_e4m3fn")
-    assert skipped == [0]
+    model, x, y = GPT(layers=1, scan=True), tokens[:, :-1], tokens[:, 1:]
+    assert _warm_up_skips(model, x, y, "float8_e4m3fn", same_step=False) == [0]
+    assert _warm_up_skips(model, x, y, "float8_e4m3fn", steps=3) == []
 
 
 @functools.cache
@@ -175,7 +177,8 @@ class _Wrapped(nn.Module):
 @pytest.mark.parametrize("model,grad_dtype,loss_log2", [
     ("_HighwayScan", "float8_e4m3fn", 0), ("_ResidualScan", "float8_e4m3fn", -20),
     ("_ResidualScan", "float16", -20), ("gpt", "float8_e5m2", 0),
-    ("wrapped-gpt", "float8_e4m3fn", 0), ("wrapped-gpt", "float16", -20)])
+    ("wrapped-gpt", "float8_e4m3fn", 0), ("wrapped-gpt", "float16", -20),
+    ("one-layer-gpt", "float8_e4m3fn", 0), ("one-layer-gpt", "float8_e5m2", -20)])
 def test_a_scanned_stacks_stream_decides_in_the_pass_and_skips_nothing(model, grad_dtype,
                                                                        loss_log2):
     """The sweep's ``highway-scan`` and ``residual-scan`` and the bench's byte GPT with
@@ -186,12 +189,15 @@ def test_a_scanned_stacks_stream_decides_in_the_pass_and_skips_nothing(model, gr
     The GPT inside a parent module: the embeddings' sum is the GPT module's region
     (its position embedding), entered only at the first layer's way in inside the
     body, which decides it there (it kept the plan, and step 0 was skipped in e4m3,
-    and in float16 with the loss x 2^-20)."""
+    and in float16 with the loss x 2^-20). The GPT with one block in its ``nn.scan``:
+    the scan runs its body once, its points in the scope around it (they kept the plan,
+    and step 0 was skipped in fp8, steps 0-1 in e5m2 with the loss x 2^-20)."""
     if model.endswith("gpt"):
         from adaloss_jax.bench._models import GPT
 
         tokens = jax.random.randint(jax.random.key(0), (16, 33), 0, 256)
-        m, x, y = GPT(layers=2, d_model=32, context=32, scan=True), tokens[:, :-1], tokens[:, 1:]
+        m, x, y = (GPT(layers=1 if model == "one-layer-gpt" else 2, d_model=32, context=32,
+                       scan=True), tokens[:, :-1], tokens[:, 1:])
         if model == "wrapped-gpt":
             m = _Wrapped(m)
     else:

@@ -451,7 +451,8 @@ class Program:
         the body decides (``Live.layers``: regions inside a layer, or a
         :class:`~adaloss_jax._live.Chain`'s layers at their exits) the planned scales,
         limits and ``chosen`` inputs enter per layer too, and a chain's token of the
-        layer executed next rides in the carry."""
+        layer executed next rides in the carry. A scan of one iteration over no stack
+        (:meth:`_once`) is its body evaluated once, inline, in the scope around it."""
         p = eqn.params
         nc, ncar = p["num_consts"], p["num_carry"]
         consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]

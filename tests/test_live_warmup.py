@@ -223,27 +223,25 @@ def test_a_stream_that_grows_below_its_decider_is_held_by_its_first_choice(loss_
 @pytest.mark.parametrize("scan", [False, True], ids=["unrolled", "scanned"])
 def test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_at_most_step_0(scan):
     """The bench's byte GPT (one block, tied head) in e4m3 with its loss x 2^-20, as in
-    the bench's tiny regime: at step 0 the logits' cotangent flushes where the loss casts
-    it down, so every module receives zeros and the root, measured only on the cast's
-    float32 side, is starved (what reached the embedding's end of its region was lost).
-    Its jump lands that measured value at e4m3's smallest normal, leaving the range above
-    for the tied head's kernel gradient (13 binades larger: a sum over 1024 tokens), so
-    step 1 is applied; jumping by the blind jump alone, the cast flushed it again and
-    step 1 was skipped too. Every group downstream received only zeros, computed from
-    that value: each starts where it too would land at the smallest normal (the scanned
-    stack's final LayerNorm, which cannot choose its scale in the backward pass, was
-    left at the blind jump, its cotangent flushed at step 1 again). Unrolled, the
-    residual stream (a fan-in) now chooses its scale in the pass too, and step 0 is
-    applied; in a scan of one block (its anchors the same at every layer, so no
-    stream: ``adaloss_jax._live._stream``) it runs at its readers' planned scales and
-    step 0 is skipped."""
+    the bench's tiny regime. On the rule's scales alone (``same_step=False``): at step
+    0 the logits' cotangent flushes where the loss casts it down, so every module
+    receives zeros and the root, measured only on the cast's float32 side, is starved
+    (what reached the embedding's end of its region was lost). Its jump lands that
+    measured value at e4m3's smallest normal, leaving the range above for the tied
+    head's kernel gradient (13 binades larger: a sum over 1024 tokens), so step 1 is
+    applied; jumping by the blind jump alone, the cast flushed it again and step 1 was
+    skipped too. Every group downstream received only zeros, computed from that value:
+    each starts where it too would land at the smallest normal. With same-step scales
+    (the default) the residual stream chooses its scale in the pass too, and step 0 is
+    applied, the scan of one block as the unrolled block (it runs its body once; its
+    stream kept its readers' planned scales before, and step 0 was skipped)."""
     from adaloss_jax.bench._models import GPT
 
     tokens = jax.random.randint(jax.random.key(0), (16, 65), 0, 256)
-    skipped = _warm_up_skips(GPT(layers=1, d_model=64, heads=4, context=64, scan=scan),
-                             tokens[:, :-1], tokens[:, 1:], "float8_e4m3fn", steps=3,
-                             loss_scale=2.0**-20)
-    assert skipped == ([0] if scan else [])
+    model = GPT(layers=1, d_model=64, heads=4, context=64, scan=scan)
+    for same_step, want in ((False, [0]), (None, [])):
+        assert _warm_up_skips(model, tokens[:, :-1], tokens[:, 1:], "float8_e4m3fn",
+                              steps=3, loss_scale=2.0**-20, same_step=same_step) == want
 
 
 @pytest.mark.parametrize("grad_dtype", ["float16", "float8_e4m3fn"])

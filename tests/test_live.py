@@ -658,6 +658,47 @@ def test_a_scanned_gpts_root_decides_at_the_cast_and_its_embedding_sum_with_the_
     _exact_under_random_priors(loss, ps, (tokens,), 5, -6, 7, applied=False)
 
 
+class _ShiftedCells(nn.Module):
+    """A module's own parameter added to the raw input, then three residual tanh cells
+    in one ``nn.scan``, a Dense head after the module."""
+
+    @nn.compact
+    def __call__(self, x):
+        class Cell(nn.Module):
+            @nn.compact
+            def __call__(self, c, _):
+                return nn.tanh(nn.Dense(c.shape[-1])(c)) + c, None
+
+        x = x + self.param("shift", nn.initializers.normal(1.0), (x.shape[-1],))
+        x = nn.scan(Cell, variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=3)()(x, None)[0]
+        return x
+
+
+def test_a_region_opened_at_the_way_in_with_nothing_before_the_scan_to_tell():
+    """The module's region (its parameter added to the input) is entered only at the
+    first cell's way in, inside the scan's body, and nothing before the scan converts
+    into it (the input is the data's): the way in decides it at the first layer with
+    no token entering the scan for it, exact against fp32 under random priors."""
+    class Net(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            return nn.Dense(4)(_ShiftedCells()(x))
+
+    x = jax.random.normal(jax.random.key(1), (4, 8))
+    labels = jnp.asarray([0, 1, 2, 3])
+    model = Net()
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p, x, y=None):
+        logits = model.apply({"params": p}, x)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (x,), {})
+    assert list(program.live.opens.values()) == ["_ShiftedCells_0"]
+    _exact_under_random_priors(loss, params, (x,), 3, -6, 12)
+
+
 def test_a_scanned_gpt_in_a_parent_decides_its_embedding_sum_at_the_first_layers_way_in():
     """The scanned GPT inside a parent module: the sum of the token and position
     embeddings is the GPT module's region (its position embedding anchors it), and its

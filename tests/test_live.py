@@ -819,15 +819,28 @@ def test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact(rev
     _exact_under_random_priors(loss, params, (x,), 11, -8, 16)
 
 
+class _OneLayerScan(nn.Module):
+    """A Dense, one tanh layer in an ``nn.scan`` of length one, a Dense head."""
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        stack = nn.scan(_Tanh, variable_axes={"params": 0}, split_rngs={"params": True},
+                        length=1)
+        return nn.Dense(3)(stack()(x, None)[0])
+
+
 @pytest.mark.parametrize("around", ["jit", "remat", "vmap"])
-@pytest.mark.parametrize("model", ["way in decides", "stacks back to back"])
+@pytest.mark.parametrize("model", ["way in decides", "stacks back to back", "one layer"])
 def test_a_way_in_deciding_and_stacks_back_to_back_hold_under_transformations(model,
                                                                             around):
     """The way in deciding the region before a stack (a parent's parameter added before
-    the scan only) and two stacks scanned straight one after the other, with the loss
-    under ``jit``, ``checkpoint`` or ``vmap``: the same analysis as untransformed, and
-    fp32 gradients exact under any prior."""
+    the scan only), two stacks scanned straight one after the other, and a scan of one
+    layer (its body run once, inline), with the loss under ``jit``, ``checkpoint`` or
+    ``vmap``: the same analysis as untransformed, and fp32 gradients exact under any
+    prior."""
     m = (_Parent(_Highway(False, True, gain=False)) if model == "way in decides"
+         else _OneLayerScan() if model == "one layer"
          else _TwoStacks(("stream", "stream"), (False, True)))
     x = jnp.asarray(_X[:, :4])
     params = m.init(jax.random.key(0), x)["params"]
@@ -835,6 +848,8 @@ def test_a_way_in_deciding_and_stacks_back_to_back_hold_under_transformations(mo
     live = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1].live
     if model == "way in decides":
         assert set(live.opens.values()) == {"inner"} and "inner" in live.groups
+    elif model == "one layer":  # (the scanned layer's Dense decides, as unrolled)
+        assert [g for g in live.groups if g.startswith("Scan")] == ["Scan_Tanh_0/Dense_0"]
     else:
         first, second = sorted(live.chains.values(), key=lambda c: c.last == "Dense_1")
         assert second.last == "Dense_1" and first.last == second.slots[second.first]

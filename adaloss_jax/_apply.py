@@ -98,6 +98,7 @@ class Program:
         top: list = []
         params_at: list = []
         scans: list = []
+        conds: list = []  # (scope, position) of the top level's conds
 
         def walk(jaxpr, scope: tuple, prefix: tuple, out: list) -> None:
             for i, eqn in enumerate(jaxpr.eqns):
@@ -107,6 +108,8 @@ class Program:
                 elif kind == _jaxpr.PARAMS:
                     params_at.append((scope, at))
                 elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.COND) or self._once(eqn):
+                    if kind == _jaxpr.COND and scope == ():
+                        conds.append((scope, at))
                     for b, sub in enumerate(_jaxpr.subprograms(eqn)):
                         walk(sub.jaxpr, scope, at + (b,), out)
                 elif kind == _jaxpr.SCAN and id(eqn) in self.plan.scans:
@@ -122,7 +125,7 @@ class Program:
         walk(self.closed.jaxpr, (), (), top)
         params_order = params_at[0] if len(params_at) == 1 else None
         return _live.analyse(every, top, self.param_pairs, params_order, self.plan.stacked,
-                             scans)
+                             scans, frozenset(conds))
 
     def _once(self, eqn) -> bool:
         """Whether ``eqn`` is a scan of one iteration over no stack of layers (a

@@ -27,7 +27,11 @@ backward pass can set its scale where the cotangent enters it::
 
 A decider in a cond branch not taken never runs: its choice, read by every point of its
 border as a token's cotangent, is then zero, the plan, on every side (as for a module
-whose output reaches nothing).
+whose output reaches nothing). So where the last entry lies in a cond's branch, every
+other branch of that cond with entries gets a decider too, at its own last entry (its
+border in that branch all before it; else that branch keeps the plan), and so on in
+the conds nested there (:func:`_branch_deciders`): whichever branch runs, the region
+decides in it.
 
 So a module called twice is decided at its second call, whose backward pass runs first;
 the first call's cotangent enters at that scale (an overflow there backs off as any).
@@ -314,7 +318,7 @@ def _only_ways_in(scan: Scan, every: Sequence[tuple], params: Sequence, order: d
 
 def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             params_order: float, stacked: frozenset = frozenset(),
-            scans: Sequence[Scan] = ()) -> Live:
+            scans: Sequence[Scan] = (), conds: frozenset = frozenset()) -> Live:
     """The live regions.
 
     Args:
@@ -330,6 +334,9 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
       params_order: the ``(scope, position)`` of the parameter point (``None``: none).
       stacked: the groups that get a scale per layer.
       scans: the scans over stacks of layers met at a scope's top level.
+      conds: the ``(scope, position)`` of each ``cond`` met at the top level (its
+        branches' sites at ``position + (branch, ...)``): a region whose last entry is in
+        a branch decides in the others too (:func:`_branch_deciders`).
     """
     order = dict(top)
     counts = Counter(key for key, _, _ in every)
@@ -390,10 +397,12 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     def way_in(pair):  # a side in a stream's first layer: its anchor set as one name
         return tuple((a,) if a in ways_in else a for a in pair)
 
-    live, needs = _regions([(k, way_in(pair), c) for k, pair, c in every if k not in inside],
-                           order, counts, [p and way_in(p) for p in params],
-                           stacked | named, extra, firsts, root=seeded, opened=opened)
-    deciders = {d: g for g, d in live.items() if d[0] != "way in"}
+    live, needs, others = _regions(
+        [(k, way_in(pair), c) for k, pair, c in every if k not in inside], order, counts,
+        [p and way_in(p) for p in params], stacked | named, extra, firsts, root=seeded,
+        opened=opened, conds=conds)
+    deciders = {d: g for g, d in [*live.items(), *((g, k) for k, g in others.items())]
+                if d[0] != "way in"}
     names.update({k: tuple(a if a in ways_in else region_key(a) for a in pair)
                   for k, pair, _ in [*every, *_param_sites(params)]
                   if k not in inside and ways_in & set(pair)})
@@ -435,12 +444,15 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
 
 def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: frozenset,
              extra: dict, firsts=frozenset(), root: bool = False, fanins: bool = True,
-             opened: dict | None = None) -> tuple[dict, dict]:
-    """The live groups with their deciders, and what every site needs, of the sites
-    ``every`` (``extra``: border keys beyond theirs; ``opened``: entry keys beyond
-    theirs; ``firsts``: groups whose tokens a chain takes; ``root``: whether the root
-    may be live, its regions not the loss's; ``fanins``: whether a fan-in may be, keyed
-    by its anchor set, :func:`region_key`)."""
+             opened: dict | None = None, conds: frozenset = frozenset()
+             ) -> tuple[dict, dict, dict]:
+    """The live groups with their deciders, what every site needs, and the deciders
+    beyond each group's last entry (``{site key: group}``, in the other branches of the
+    conds around it, ``conds``: :func:`_branch_deciders`), of the sites ``every``
+    (``extra``: border keys beyond theirs; ``opened``: entry keys beyond theirs;
+    ``firsts``: groups whose tokens a chain takes; ``root``: whether the root may be
+    live, its regions not the loss's; ``fanins``: whether a fan-in may be, keyed by its
+    anchor set, :func:`region_key`)."""
     key_of = functools.partial(region_key, fanins=fanins)
     entries: dict[str, list] = {g: list(keys) for g, keys in (opened or {}).items()}
     border: dict[str, list] = {g: list(keys) for g, keys in extra.items()}
@@ -463,6 +475,7 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
                 border.setdefault(g, []).append((PARAMS_KEY, i))
             unfit.update(_per_layer(side))
     live: dict[str, tuple] = {}
+    branch: dict = {}  # a decider per other branch of the conds around a group's decider
     for g, keys in entries.items():
         one_layer = isinstance(g, Layer) and g.index is not None  # (not a body's symbol)
         if g == ROOT and not root:
@@ -478,12 +491,14 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
         scope, at = order[d]
         if all(order[k][0] == scope and order[k][1] < at for k in rest if k != d):
             live[g] = d
+            branch[g] = _branch_deciders(d, keys, rest, order, conds)
+    others = {k: g for g, ks in branch.items() for k in ks}
     needs: dict = {}
     for key, (x, y), convert in every:
         if not convert or key not in order:
             continue
         want = [g for g in dict.fromkeys((key_of(x), key_of(y)))
-                if (g in live and live[g] != key) or g in firsts]
+                if (g in live and live[g] != key and others.get(key) != g) or g in firsts]
         if want:
             needs[key] = tuple(want)
     for i, pair in enumerate(params):
@@ -491,7 +506,42 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
             want = [g for g in dict.fromkeys(map(key_of, pair)) if g in live or g in firsts]
             if want:
                 needs[(PARAMS_KEY, i)] = tuple(want)
-    return live, needs
+    return live, needs, others
+
+
+def _branch_deciders(d, entries: Sequence, rest: Sequence, order: dict,
+                     conds: frozenset) -> list:
+    """The deciders a region gets beyond ``d``, its last entry, where ``d`` lies in a
+    branch of a ``cond`` (``conds``: each cond's ``(scope, position)``): in every
+    other branch of it with entries of the region, the last of them, where the
+    region's border in that branch is all before it (else that branch keeps the plan),
+    and so on for the conds nested in that branch. Only the branch taken runs, so at
+    most one decider per cond chooses; the tokens emitted before the cond enter every
+    branch, and a branch not taken returns no choice for them (under a batched
+    predicate, where both branches run, the one whose cotangent is masked out measures
+    nothing and keeps the plan: its choice is zero)."""
+    scope, at = order[d]
+
+    def within(k, pos, b=None):  # in cond ``pos``'s branch ``b`` (any branch: None)
+        s, a = order[k]
+        return (s == scope and len(a) > len(pos) + 1 and a[:len(pos)] == pos
+                and b in (None, a[len(pos)]))
+
+    out = []
+    for s, pos in sorted(conds):
+        if s != scope or len(at) <= len(pos) + 1 or at[:len(pos)] != pos:
+            continue  # (not around d)
+        for b in sorted({order[k][1][len(pos)] for k in entries if within(k, pos)}
+                        - {at[len(pos)]}):
+            mine = [k for k in entries if within(k, pos, b)]
+            there = [k for k in rest if within(k, pos, b)]
+            d_b = max(mine, key=order.get)
+            if all(order[k][1] < order[d_b][1] for k in there if k != d_b):
+                inner = frozenset(c for c in conds if c[0] == scope
+                                  and len(c[1]) > len(pos) + 1 and c[1][:len(pos) + 1]
+                                  == (*pos, b))
+                out += [d_b, *_branch_deciders(d_b, mine, there, order, inner)]
+    return out
 
 
 def _region_groups(side) -> list:
@@ -534,7 +584,7 @@ def _inside(scan: Scan, every: Sequence[tuple], params: Sequence, counts: Counte
                 outside.update(a[0] for a in raw if len(a) == 1)
     fit = {g for g, mine in slots.items() if not outside & set(mine)}
     marks = frozenset({CHAIN_Y, FOLLOW} if stream is not None else ())
-    live, needs = _regions(body, dict(scan.order), counts, (), marks, {},
+    live, needs, _ = _regions(body, dict(scan.order), counts, (), marks, {},
                            firsts=marks - {FOLLOW}, fanins=False)
     if stream is not None:
         fit.add(CHAIN_X)

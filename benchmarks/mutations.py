@@ -555,6 +555,36 @@ MUTATIONS = {
         "",
         ["tests/test_layering.py", "tests/test_state.py"],
         "scale_state cannot find an adaptive state"),
+    "branch-deciders-dropped": (
+        "adaloss_jax/_live.py",
+        "            branch[g] = _branch_deciders(d, keys, rest, order, conds)",
+        "            branch[g] = []",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a region with entries in several cond branches decides only in the last"),
+    "branch-decider-emits-for-itself": (
+        "adaloss_jax/_live.py",
+        "(g in live and live[g] != key and others.get(key) != g)",
+        "(g in live and live[g] != key)",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a decider in another cond branch also emits a token for its own region"),
+    "branch-border-unchecked": (
+        "adaloss_jax/_live.py",
+        "            if all(order[k][1] < order[d_b][1] for k in there if k != d_b):",
+        "            if True:",
+        ["tests/test_live.py"],
+        "a branch decides though a point of its region's border follows its decider"),
+    "branch-nested-conds-ignored": (
+        "adaloss_jax/_live.py",
+        "                out += [d_b, *_branch_deciders(d_b, mine, there, order, inner)]",
+        "                out += [d_b]",
+        ["tests/test_live.py"],
+        "a cond nested in another branch of the cond around a decider gets no deciders"),
+    "branch-conds-unrecorded": (
+        "adaloss_jax/_apply.py",
+        "                        conds.append((scope, at))",
+        "                        pass",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "the walk records no cond: only the last branch decides"),
 }
 
 

@@ -279,6 +279,9 @@ _CE_WRAPS = {
     "shard-ce": _sharded,
     "cond-ce": lambda ce: lambda out, labels: jax.lax.cond(
         labels.ravel()[0] >= 0, ce, lambda *a: 2.0 * ce(*a), out, labels),
+    # the first branch taken (a cond's false branch is the first of its branches)
+    "cond-ce-first": lambda ce: lambda out, labels: jax.lax.cond(
+        labels.ravel()[0] < 0, lambda *a: 2.0 * ce(*a), ce, out, labels),
 }
 LOSS_IN = ("top", *_LOSS_WRAPS, *_CE_WRAPS)
 
@@ -325,7 +328,8 @@ def main(argv=None):
                     help="where the loss casts the model's output to float32: at its top "
                          "level, the whole loss under jit or checkpoint, a jitted "
                          "cross-entropy, one computed chunk by chunk in a scan, in a "
-                         "shard_map over the batch, or in a cond's branches")
+                         "shard_map over the batch, or in a cond's branches (the last taken, or "
+                         "the first: cond-ce-first)")
     args = ap.parse_args(argv)
     print(f"{'task':<10} {'format':<14} {'groups':<7} {'skipped':>7}  {'retries':>7}  "
           f"{'root':>5}  {'moved':>5}  which")

@@ -67,6 +67,36 @@ def test_a_chain_is_live_and_each_decider_needs_the_scale_it_arrives_at():
     assert live.needs == {"a_out": ("b",)}  # its consumer side is b's region
 
 
+@pytest.mark.parametrize("late", [False, True])
+def test_a_region_whose_last_entry_is_in_a_branch_decides_in_every_branch(late):
+    # b is called in both branches of a cond at position 1, and in the last branch
+    # twice: before a nested cond, and in both of its branches. Its last entry (the
+    # nested cond's last branch) decides, and so do the last entries of the outer
+    # cond's first branch and of the nested cond's first branch: whichever runs. The
+    # call before the nested cond is on the border of all of them. With a point on b's
+    # border after its entry in the first branch (``late``), that branch cannot
+    # decide there (its backward pass would need the choice first): it keeps the plan.
+    out = lambda k: _site(k, ("b",), ("",))  # noqa: E731
+    every = [_site("b_in", ("",), ("b",)), out("first"), out("before"), out("inner0"),
+             out("inner1")]
+    top = [("b_in", ((), (0,))), ("first", ((), (1, 0, 0))), ("before", ((), (1, 1, 0))),
+           ("inner0", ((), (1, 1, 1, 0, 0))), ("inner1", ((), (1, 1, 1, 1, 0)))]
+    if late:
+        every.append(_site("late", ("",), ("b",)))
+        top.append(("late", ((), (1, 0, 1))))
+    conds = frozenset({((), (1,)), ((), (1, 1, 1))})
+    live = _live.analyse(every, top, [], None, conds=conds)
+    assert live.groups == ("b",)
+    deciders = {"inner1": "b", "inner0": "b"} if late else {
+        "inner1": "b", "inner0": "b", "first": "b"}
+    assert live.deciders == deciders
+    border = {"b_in", "before"} | ({"late", "first"} if late else set())
+    assert live.needs == {k: ("b",) for k in border}
+    # Without the conds (one scope, as before), only the last entry decides.
+    live = _live.analyse(every, top, [], None)
+    assert live.deciders == {"inner1": "b"}
+
+
 def test_a_fan_in_decides_at_its_last_entry_and_its_other_exits_get_tokens():
     # q and k read one value (anchors (k, q)); their exits convert into it. k's input
     # point, last in the forward order, is the first the backward pass meets.
@@ -1527,9 +1557,16 @@ def _nested_loss(case):
                                              lambda z: z, z))(z)
         if case.startswith("switch"):  # b and c in both branches; the first or last taken
             first = jnp.sum(z) > -1e9
-            index = jnp.where(first, 0, 1) if case.endswith("first") else jnp.where(first, 1, 0)
+            index = jnp.where(first, 0, 1) if "first" in case else jnp.where(first, 1, 0)
             return jax.lax.switch(index, [lambda z: z + c(p["c"], b(p["b"], z)),
                                           lambda z: z - c(p["c"], b(p["b"], z))], z)
+        if case == "nested switch":  # the outer's last branch, the inner's first
+            on = jnp.sum(z) > -1e9
+            inner = lambda z: jax.lax.switch(jnp.where(jnp.sum(z) > -1e9, 0, 1), [  # noqa: E731
+                lambda z: z - c(p["c"], b(p["b"], z)),
+                lambda z: 0.5 * z + c(p["c"], b(p["b"], z))], z)
+            return jax.lax.switch(jnp.where(on, 1, 0), [
+                lambda z: z + c(p["c"], b(p["b"], z)), inner], z)
         if case == "decider inside":  # z read by b before the body and by c in it
             w = b(p["b"], z)
             return ck(lambda z, w: c(p["c"], z) + w)(z, w)
@@ -1545,7 +1582,8 @@ def _nested_loss(case):
 @pytest.mark.parametrize("case,live,fanins", [
     ("nested", "abch", 1), ("policy", "abch", 1), ("cond inside", "abh", 1),
     ("decider inside", "abch", 1), ("called twice", "ah", 0),
-    ("switch, first taken", "abch", 1), ("switch, last taken", "abch", 1)])
+    ("switch, first taken", "abch", 1), ("switch, last taken", "abch", 1),
+    ("nested switch", "abch", 1)])
 def test_modules_in_checkpoint_bodies_and_switch_branches_decide_and_stay_exact(case, live,
                                                                                fanins):
     """A checkpoint body is in the scope around it: its modules decide in the pass, the
@@ -1553,9 +1591,10 @@ def test_modules_in_checkpoint_bodies_and_switch_branches_decide_and_stay_exact(
     decider inside the body with its border before it, or around a ``cond`` (its
     branches in the same scope too). A body traced twice meets its points twice, and
     those keep the plan. A ``switch`` whose branches both call b and c: their regions
-    decide in the last branch, and where the first is taken they keep the plan (their
-    tokens' cotangents are zero), both exact. Whatever the prior scales, the fp32
-    gradients are jax.grad's."""
+    decide in the branch taken, the first or the last (a decider in each), and in a
+    switch inside the last branch, in its first branch. Every region
+    that decides chooses the same scale whatever the prior, and whatever the prior
+    scales, the fp32 gradients are jax.grad's."""
     keys = jax.random.split(jax.random.key(7), 5)
     params = {n: {"w": jax.random.normal(k, (8, 8)) / 8**0.5} for n, k in zip("abch", keys)}
     x = jax.random.normal(keys[4], (16, 8))
@@ -1564,12 +1603,57 @@ def test_modules_in_checkpoint_bodies_and_switch_branches_decide_and_stay_exact(
     _, program, _ = alj._grad.trace(loss, scaler, params, (x,), {})
     assert set(program.live.groups) == set(live)
     assert len(program.live.fanins) == fanins
+    chose = []
     for prior in ({"": 5, "a": -6, "b": 9, "c": 2, "h": 12},
                   {"": -3, "a": 11, "b": -8, "c": 13, "h": 0}):
         step, state = _grads_through(scaler, loss, params, (x,), prior)
-        got, new_state, _ = step(state, params, x, jnp.zeros(()))
+        got, new_state, stats = step(state, params, x, jnp.zeros(()))
         assert bool(new_state[0].base.last_applied)
         assert_fp32_trees_close(got, jax.grad(loss)(params, x))
+        chose.append({g: float(stats.log2_scales[g]) for g in live})
+    assert chose[0] == chose[1]  # from the cotangent in hand, not the prior
+
+
+def test_a_step_vmapped_over_examples_that_take_either_branch_decides_in_each():
+    """The whole step under ``vmap``, each example's predicate picking a ``cond``'s
+    branch (the first for most): under a batched predicate both branches run, each
+    with the other's cotangent masked out, so the decider of the branch an example did
+    not take measures nothing and keeps the plan (its choice, zero, adds nothing to
+    the other's). Every example's regions decide, whatever the prior, and its
+    gradients are jax.grad's."""
+    g = lambda n, f=jnp.tanh: alj.scale_group(n)(lambda p, x: f(x @ p["w"]))  # noqa: E731
+    a, b, c, h = g("a"), g("b"), g("c"), g("h", lambda v: v)
+
+    def loss(p, x):
+        z = a(p["a"], x)
+        z = jax.lax.cond(jnp.sum(z) > 0, lambda z: z - c(p["c"], b(p["b"], z)),
+                         lambda z: 0.5 * z + c(p["c"], b(p["b"], z)), z)
+        return jnp.mean(h(p["h"], z) ** 2)
+
+    keys = jax.random.split(jax.random.key(7), 5)
+    params = {n: {"w": jax.random.normal(k, (8, 8)) / 8**0.5} for n, k in zip("abch", keys)}
+    xs = jax.random.normal(keys[4], (6, 4, 8))
+    taken = [bool(jnp.sum(a(params["a"], x)) > 0) for x in xs]
+    assert any(taken) and not all(taken)
+    scaler = alj.adaptive(compute_dtype="float16", groups="module", retries=0, max_rise=1000)
+    tx = alj.adaptive_unscale(scaler)
+    ref = jax.vmap(jax.grad(loss), (None, 0))(params, xs)
+    chose = []
+    for prior in ({"": 5, "a": -6, "b": 9, "c": 2, "h": 12},
+                  {"": -3, "a": 11, "b": -8, "c": 13, "h": 0}):
+        state = tx.init(params)
+        state = state.with_log2_scales({k: prior[k] for k in state.log2_scales})
+
+        def one(x, state=state):
+            loss_, grads, stats = alj.adaptive_value_and_grad(loss)(state, params, x)
+            updates, _ = tx.update(grads, state, params, loss=loss_, scale_stats=stats)
+            return updates, {k: stats.log2_scales[k] for k in "abch"}
+
+        updates, used = jax.jit(jax.vmap(one))(xs)
+        assert_fp32_trees_close(updates, ref)
+        chose.append(used)
+    for k in "abch":  # from the cotangent in hand, not the prior, in every example
+        np.testing.assert_array_equal(chose[0][k], chose[1][k])
 
 
 @pytest.mark.parametrize("bound", ["max_loss_scale", "min_loss_scale"])

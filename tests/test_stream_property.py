@@ -2,7 +2,8 @@
 randomly built Flax linen graphs (nesting, reuse with keyword arguments, tied embedding +
 attend, concatenation, residuals, cross-attention to a shared memory, nn.scan (with a
 module's own parameter added before it), nn.remat, dict and tuple outputs, BatchNorm
-state, Flax's ``nn.RNN`` over the tokens, a ``fori_loop`` over one kernel)."""
+state, Flax's ``nn.RNN`` over the tokens, a ``fori_loop`` over one kernel, an
+``nn.cond`` whose branches call the same modules, either branch taken)."""
 
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ pytestmark = pytest.mark.slow  # the full suite only (CI)
 
 W, V, T, B = 8, 16, 6, 4
 OPS = ("dense", "reuse", "residual", "concat", "cross", "scan", "remat", "dict", "bn", "nest",
-       "shifted", "rnn", "fori")
+       "shifted", "rnn", "fori", "cond", "cond-else")
 
 
 class Shared(nn.Module):
@@ -129,6 +130,25 @@ class Looped(nn.Module):
         return jax.lax.fori_loop(0, 2, lambda i, h: jnp.tanh(h @ k) + h, x)
 
 
+class Branches(nn.Module):
+    """``nn.cond`` between two orders of the same two Dense layers, each called in both
+    branches: ``taken`` says which runs (``True``: the true branch, the last in the
+    jaxpr), through a predicate that depends on the data for the tracer."""
+
+    dtype: object
+    taken: bool
+
+    def setup(self):
+        self.a = nn.Dense(W, dtype=self.dtype)
+        self.b = nn.Dense(W, dtype=self.dtype)
+
+    def __call__(self, x):
+        s = jnp.sum(x.astype(jnp.float32))
+        pred = (s == s) if self.taken else (s != s)
+        return x + nn.cond(pred, lambda m, x: nn.tanh(m.a(m.b(x))),
+                           lambda m, x: m.b(nn.tanh(m.a(x))) * 0.5, self, x)
+
+
 class Gated(nn.Module):
     """A group whose own parameter is read on the way in and whose output is its child's
     (its output point neither converts nor measures anything new, but rounds when
@@ -185,6 +205,8 @@ class RandomNet(nn.Module):
                 x = Recurrent(dt)(x)
             elif op == "fori":
                 x = Looped(dt)(x)
+            elif op in ("cond", "cond-else"):
+                x = Branches(dt, op == "cond")(x)
         if self.tied:
             return embed.attend(x)
         return nn.Dense(V, dtype=dt)(x)
@@ -302,6 +324,7 @@ def _underflow(scaled, ref) -> list[float]:
 @example(ops=["scan", "remat", "dict", "cross"], tied=True, tiny=2.0**-20)
 @example(ops=["dense", "shifted", "residual"], tied=False, tiny=2.0**-20)
 @example(ops=["rnn", "fori", "residual"], tied=True, tiny=2.0**-12)
+@example(ops=["cond-else", "residual", "cond"], tied=False, tiny=2.0**-20)
 def test_random_graphs_exact_stable_and_no_worse_than_global(ops, tied, tiny):
     tokens, params, ref, loss16 = _random_net(ops, tied, tiny)
     warm, checked = 3, 20

@@ -97,6 +97,20 @@ def test_a_region_whose_last_entry_is_in_a_branch_decides_in_every_branch(late):
     assert live.deciders == {"inner1": "b"}
 
 
+def test_a_cond_nested_in_another_branch_than_the_last_entrys_decides_too():
+    # b is called in the last branch of a cond at position 1, and in its first branch
+    # only inside a nested cond, in both of that one's branches: the first branch's
+    # last entry (the nested cond's last branch) decides, and so does the nested cond's
+    # first branch.
+    out = lambda k: _site(k, ("b",), ("",))  # noqa: E731
+    every = [_site("b_in", ("",), ("b",)), out("inner0"), out("inner1"), out("last")]
+    top = [("b_in", ((), (0,))), ("inner0", ((), (1, 0, 0, 0, 0))),
+           ("inner1", ((), (1, 0, 0, 1, 0))), ("last", ((), (1, 1, 0)))]
+    live = _live.analyse(every, top, [], None, conds=frozenset({((), (1,)), ((), (1, 0, 0))}))
+    assert live.deciders == {"last": "b", "inner1": "b", "inner0": "b"}
+    assert live.needs == {"b_in": ("b",)}
+
+
 def test_a_fan_in_decides_at_its_last_entry_and_its_other_exits_get_tokens():
     # q and k read one value (anchors (k, q)); their exits convert into it. k's input
     # point, last in the forward order, is the first the backward pass meets.
@@ -1560,13 +1574,15 @@ def _nested_loss(case):
             index = jnp.where(first, 0, 1) if "first" in case else jnp.where(first, 1, 0)
             return jax.lax.switch(index, [lambda z: z + c(p["c"], b(p["b"], z)),
                                           lambda z: z - c(p["c"], b(p["b"], z))], z)
-        if case == "nested switch":  # the outer's last branch, the inner's first
+        if case.startswith("nested switch"):  # in the outer's last branch, or first
             on = jnp.sum(z) > -1e9
             inner = lambda z: jax.lax.switch(jnp.where(jnp.sum(z) > -1e9, 0, 1), [  # noqa: E731
                 lambda z: z - c(p["c"], b(p["b"], z)),
                 lambda z: 0.5 * z + c(p["c"], b(p["b"], z))], z)
-            return jax.lax.switch(jnp.where(on, 1, 0), [
-                lambda z: z + c(p["c"], b(p["b"], z)), inner], z)
+            plain = lambda z: z + c(p["c"], b(p["b"], z))  # noqa: E731
+            if case.endswith("first"):  # the inner's first branch taken either way
+                return jax.lax.switch(jnp.where(on, 0, 1), [inner, plain], z)
+            return jax.lax.switch(jnp.where(on, 1, 0), [plain, inner], z)
         if case == "decider inside":  # z read by b before the body and by c in it
             w = b(p["b"], z)
             return ck(lambda z, w: c(p["c"], z) + w)(z, w)
@@ -1583,7 +1599,7 @@ def _nested_loss(case):
     ("nested", "abch", 1), ("policy", "abch", 1), ("cond inside", "abh", 1),
     ("decider inside", "abch", 1), ("called twice", "ah", 0),
     ("switch, first taken", "abch", 1), ("switch, last taken", "abch", 1),
-    ("nested switch", "abch", 1)])
+    ("nested switch", "abch", 1), ("nested switch in the first", "abch", 1)])
 def test_modules_in_checkpoint_bodies_and_switch_branches_decide_and_stay_exact(case, live,
                                                                                fanins):
     """A checkpoint body is in the scope around it: its modules decide in the pass, the
@@ -1592,7 +1608,7 @@ def test_modules_in_checkpoint_bodies_and_switch_branches_decide_and_stay_exact(
     branches in the same scope too). A body traced twice meets its points twice, and
     those keep the plan. A ``switch`` whose branches both call b and c: their regions
     decide in the branch taken, the first or the last (a decider in each), and in a
-    switch inside the last branch, in its first branch. Every region
+    switch inside the last branch or the first, in its first branch. Every region
     that decides chooses the same scale whatever the prior, and whatever the prior
     scales, the fp32 gradients are jax.grad's."""
     keys = jax.random.split(jax.random.key(7), 5)

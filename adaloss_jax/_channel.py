@@ -314,17 +314,22 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     amax_r = m[:, _AMAX]
     m = m.at[:, _AMAX].set(jnp.where(jnp.isnan(amax_r), jnp.inf, amax_r))
     # Attributions: each row counts for every group anchoring either of its sides.
-    e_row, e_grp, e_set, e_lim = [], [], [], []
+    # (``e_own``: the group anchors a side that is no fan-in choosing its own scale)
+    e_row, e_grp, e_set, e_lim, e_own = [], [], [], [], []
     for r, row in enumerate(rows):
         lims: dict = {}  # group -> the largest value where it holds the row
+        own: set = set()
         for side, side_max in ((row.y, row.y_max), (row.x, row.x_max)):
             for g in side:
                 lims[gi[g]] = min(lims.get(gi[g], math.inf), side_max)
+                if side not in (moved or {}):
+                    own.add(gi[g])
         for i, lim in lims.items():
             e_row.append(r)
             e_grp.append(i)
             e_set.append(si[row.y])
             e_lim.append(fmt_max / lim)
+            e_own.append(i in own)
     e_row, e_grp, e_set = (jnp.asarray(v, jnp.int32) for v in (e_row, e_grp, e_set))
     # Every set's scale at once (one gather and a min; a set's row padded with its first).
     width = max(len(a) for a in sets)
@@ -343,6 +348,10 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     f = _formats.pow2(k)
     a = m[e_row, _AMAX] * jnp.asarray(e_lim, jnp.float32) * f
     amax_v = jnp.maximum(jax.ops.segment_max(a, e_grp, ng), 0.0)
+    # What a group measured in rows it anchors other than through a fan-in choosing
+    # its own scale: none where its own rows were zeros (a module whose output's
+    # cotangent is stopped, its input such a fan-in).
+    own = vec(jax.ops.segment_max(jnp.where(jnp.asarray(e_own), a, 0.0), e_grp, ng) > 0)
     sumsq = count = hist = None
     if gaussian:
         sumsq = vec(jax.ops.segment_sum(m[e_row, _SUMSQ] * f * f, e_grp, ng))
@@ -388,7 +397,7 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
                 jnp.asarray(p_set)], jnp.asarray(p_grp), ng))
     return ScaleStats(used, vec(amax_v), vec(bad_v), jnp.any(bad_y | bad_x),
                       sumsq=sumsq, count=count, hist=hist, flushed=flushed,
-                      starved=starved, lost_amax=lost_amax)
+                      starved=starved, lost_amax=lost_amax, own=own)
 
 
 def _untaken(rows: Sequence[Row], amax_r: jax.Array) -> jax.Array:

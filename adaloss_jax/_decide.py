@@ -122,7 +122,10 @@ def measured(state: AdaptiveScaleState, stats: ScaleStats, p_amax, loss,
             full(stats.starved, False, jnp.bool_).astype(jnp.int32), jax.lax.pmax,
             axis_name) > 0,
         lost_amax=None if stats.lost_amax is None else over_devices(
-            full(stats.lost_amax, -jnp.inf, jnp.float32), jax.lax.pmax, axis_name))
+            full(stats.lost_amax, -jnp.inf, jnp.float32), jax.lax.pmax, axis_name),
+        own=None if stats.own is None else over_devices(
+            (full(stats.own, False, jnp.bool_) | (p_amax > 0)).astype(jnp.int32),
+            jax.lax.pmax, axis_name) > 0)
 
 
 def bound(axis_name: str | None) -> str | None:

@@ -42,6 +42,8 @@ class Measured(NamedTuple):
         non-zero and flushed entirely where it is stored.
       lost_amax: per group, log2 of the largest value at unit scale measured before it
         was lost on its way into the group (-inf: none).
+      own: bool, per group: it measured something of its own (a row not converted at a
+        live fan-in's choice, or its parameter gradients).
     """
 
     active: jax.Array
@@ -57,6 +59,7 @@ class Measured(NamedTuple):
     flushed: jax.Array | None = None
     starved: jax.Array | None = None
     lost_amax: jax.Array | None = None
+    own: jax.Array | None = None
 
 
 def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
@@ -125,7 +128,9 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
 
         applied = grads finite and loss finite and something was measured
                   and no group's new s_k exceeds its used scale by more than max_rise
-                  (the step was computed far below the scale its statistics call for)
+                  (the step was computed far below the scale its statistics call for;
+                  a group that measured only rows a live fan-in converted at its own
+                  choice computed nothing at its scale: not checked)
 
     So the rule does not cycle: a scale that overflowed is not asked for again on the
     same statistics (for 256 applied steps per learned binade), and one overflow backs
@@ -223,7 +228,9 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     new_log2 = jnp.where(m.loss_finite, nxt, log2).astype(jnp.float32)
 
     measured = jnp.any(act & (amax > 0))
-    rise = jnp.where(act & (amax > 0) & ~bad, new_log2 - used, 0.0)
+    # (a group that measured only a live fan-in's rows computed nothing at its scale)
+    checked = act & (amax > 0) & ~bad & (True if m.own is None else m.own)
+    rise = jnp.where(checked, new_log2 - used, 0.0)
     underscaled = jnp.any(rise > cfg.max_rise)
     applied = m.grads_finite & m.loss_finite & measured & ~underscaled
     room = jnp.where(applied & finite, jnp.maximum(room - HEADROOM_RETURN, 0.0), room)

@@ -203,6 +203,12 @@ class ScaleStats:
         on the wide side of a cast that flushed it, or upstream of cotangents that
         arrived as zeros; ``-inf`` where none was. The rule never leaves a starved
         group where that value would flush again.
+      own: per group, whether it measured something in rows other than those of a
+        fan-in that chose its own scale in the backward pass (converted at that choice,
+        not at the group's scale): ``False`` for a module whose output's cotangent is
+        stopped (``stop_gradient``, a frozen branch) though its input is such a
+        fan-in. The rule does not refuse a step as computed below the scale of a group
+        that measured nothing of its own.
       verdict: where the gradient function may retry a step (``AdaptiveScale.retries``):
         the rule's next state for the pass these statistics are of (its array fields
         but ``total_retries``) and ``retries``, the passes taken again; the optimizer
@@ -239,6 +245,7 @@ class ScaleStats:
     flushed: jax.Array | None = None
     starved: GroupVector | None = None
     lost_amax: GroupVector | None = None
+    own: GroupVector | None = None
     verdict: dict | None = None
     grad_amax: jax.Array | None = None
     fingerprint: str = _static(default="")
@@ -249,7 +256,7 @@ class ScaleStats:
 jax.tree_util.register_dataclass(
     ScaleStats,
     data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist",
-                 "flushed", "starved", "lost_amax", "verdict", "grad_amax"],
+                 "flushed", "starved", "lost_amax", "own", "verdict", "grad_amax"],
     meta_fields=["fingerprint", "origin", "handed"],
 )
 

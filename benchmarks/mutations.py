@@ -585,6 +585,26 @@ MUTATIONS = {
         "                        pass",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the walk records no cond: only the last branch decides"),
+    "own-ignored": (
+        "adaloss_jax/_rule.py",
+        "    checked = act & (amax > 0) & ~bad & (True if m.own is None else m.own)",
+        "    checked = act & (amax > 0) & ~bad",
+        ["tests/test_rule.py", "tests/test_live_warmup.py"],
+        "a group that measured nothing of its own refuses a step as computed below its scale"),
+    "own-counts-fan-ins": (
+        "adaloss_jax/_channel.py",
+        "                if side not in (moved or {}):",
+        "                if True:",
+        ["tests/test_live_warmup.py"],
+        "a live fan-in's rows count as its anchors' own"),
+    "own-params-ignored": (
+        "adaloss_jax/_decide.py",
+        "            (full(stats.own, False, jnp.bool_) | (p_amax > 0)).astype(jnp.int32),",
+        "            full(stats.own, False, jnp.bool_).astype(jnp.int32),",
+        ["tests/test_rule.py", "tests/test_live_warmup.py", "tests/test_adaptive.py",
+         "tests/test_live.py"],
+        "a group whose parameter gradients measured something, but none of its rows, is "
+        "not checked against max_rise"),
 }
 
 

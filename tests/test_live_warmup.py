@@ -707,3 +707,24 @@ def test_a_region_with_entries_in_both_branches_decides_in_the_branch_taken(take
         if not bool(alj.scale_state(state).last_applied):
             skipped.append(i)
     assert skipped == []
+
+
+@pytest.mark.parametrize("tiny", [1.0, 2.0**-12])
+def test_a_frozen_branch_reading_a_stream_refuses_no_step(tiny):
+    """A block whose input, a fan-in deciding in the pass, is read by a Dense layer
+    whose output's cotangent is stopped (its gradients zero, its region measuring
+    nothing of its own): the fan-in's rows, counted for every group anchoring it, call
+    for a scale far above that layer's, at which nothing was computed, so they refuse
+    no step. In e4m3 nothing is skipped, from step 0. (Counted, they refused step 0 at
+    x 1, and steps 0-1 at x 2^-12.)"""
+    from test_stream_property import _random_net, conformance_step
+
+    tokens, params, _, loss16 = _random_net(("dense", "stopped"), True, tiny)
+    scaler = alj.adaptive(groups="module", grad_dtype="float8_e4m3fn", simulate=True)
+    step, state, _ = conformance_step(scaler, loss16, params, tokens)
+    skipped = []
+    for i in range(4):
+        _, state, _ = step(state)
+        if not bool(alj.scale_state(state).last_applied):
+            skipped.append(i)
+    assert skipped == []

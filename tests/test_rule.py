@@ -127,6 +127,23 @@ def test_an_overflow_is_learned_as_headroom_and_never_asked_for_again():
     assert float(later.headroom["a"]) == pytest.approx(2.0 - 21 / 256)
 
 
+def test_a_group_that_measured_nothing_of_its_own_does_not_refuse_the_step():
+    """A step computed far below the scale a group's statistics call for is refused
+    (``max_rise``), unless the group measured nothing of its own (``own``: its rows
+    were zeros, and what it measured came from a fan-in that chose its own scale):
+    nothing was computed at its scale. Its scale moves as it would either way."""
+    state = _settled(_state(max_rise=4, decay=INF), [-20.0, -12.0, -12.0], steps=2)
+    unit = [-20.0, -30.0, -12.0]  # a's statistics call for 18 binades more
+    refused = adjust(state, _measured(state, unit))
+    assert not bool(refused.last_applied)
+    assert _scales(refused)[1] == _scales(state)[1] + 18
+    for own, applied in (((True, False, True), True), ((True, True, True), False),
+                         ((False, True, False), False)):
+        nxt = adjust(state, _measured(state, unit, own=jnp.asarray(own)))
+        assert bool(nxt.last_applied) == applied, own
+        assert _scales(nxt) == _scales(refused)
+
+
 def test_learned_headroom_is_given_back_on_applied_steps():
     state = _state(max_rise=100, decay=math.inf)
     state = state.replace(headroom=type(state.headroom)(state.groups, jnp.asarray(

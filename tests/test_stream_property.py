@@ -3,7 +3,8 @@ randomly built Flax linen graphs (nesting, reuse with keyword arguments, tied em
 attend, concatenation, residuals, cross-attention to a shared memory, nn.scan (with a
 module's own parameter added before it), nn.remat, dict and tuple outputs, BatchNorm
 state, Flax's ``nn.RNN`` over the tokens, a ``fori_loop`` over one kernel, an
-``nn.cond`` whose branches call the same modules, either branch taken)."""
+``nn.cond`` whose branches call the same modules, either branch taken, a Dense
+layer whose output's cotangent is stopped)."""
 
 from __future__ import annotations
 
@@ -27,7 +28,7 @@ pytestmark = pytest.mark.slow  # the full suite only (CI)
 
 W, V, T, B = 8, 16, 6, 4
 OPS = ("dense", "reuse", "residual", "concat", "cross", "scan", "remat", "dict", "bn", "nest",
-       "shifted", "rnn", "fori", "cond", "cond-else")
+       "shifted", "rnn", "fori", "cond", "cond-else", "stopped")
 
 
 class Shared(nn.Module):
@@ -149,6 +150,18 @@ class Branches(nn.Module):
                            lambda m, x: m.b(nn.tanh(m.a(x))) * 0.5, self, x)
 
 
+class Stopped(nn.Module):
+    """A Dense layer whose output's cotangent is stopped (``stop_gradient``: a frozen
+    branch, its gradients zero) gating another's, both reading the block's input."""
+
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x):
+        frozen = jax.lax.stop_gradient(nn.Dense(W, dtype=self.dtype)(x))
+        return x + frozen * nn.Dense(W, dtype=self.dtype)(x)
+
+
 class Gated(nn.Module):
     """A group whose own parameter is read on the way in and whose output is its child's
     (its output point neither converts nor measures anything new, but rounds when
@@ -207,6 +220,8 @@ class RandomNet(nn.Module):
                 x = Looped(dt)(x)
             elif op in ("cond", "cond-else"):
                 x = Branches(dt, op == "cond")(x)
+            elif op == "stopped":
+                x = Stopped(dt)(x)
         if self.tied:
             return embed.attend(x)
         return nn.Dense(V, dtype=dt)(x)

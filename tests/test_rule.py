@@ -144,6 +144,22 @@ def test_a_group_that_measured_nothing_of_its_own_does_not_refuse_the_step():
         assert _scales(nxt) == _scales(refused)
 
 
+def test_a_group_measures_something_of_its_own_in_its_parameter_gradients_too():
+    """``own`` reaches the rule as what the rows measured of each group's own, or its
+    parameter gradients (a parameter read in another region converts into its
+    owner's scale there: computed at that scale)."""
+    from adaloss_jax import _decide
+    from adaloss_jax._layout import GroupVector
+    from adaloss_jax._state import ScaleStats
+
+    state = _state()
+    vec = lambda v, dtype=jnp.float32: GroupVector(GROUPS, jnp.asarray(v, dtype))  # noqa: E731
+    stats = ScaleStats(vec([10.0] * 3), vec([1.0] * 3), vec([False] * 3, jnp.bool_),
+                       jnp.asarray(False), own=vec([True, False, False], jnp.bool_))
+    m = _decide.measured(state, stats, jnp.asarray([0.0, 0.5, 0.0]), jnp.float32(1.0), None)
+    assert list(np.asarray(m.own)) == [True, True, False]
+
+
 def test_learned_headroom_is_given_back_on_applied_steps():
     state = _state(max_rise=100, decay=math.inf)
     state = state.replace(headroom=type(state.headroom)(state.groups, jnp.asarray(

@@ -585,7 +585,7 @@ def _inside(scan: Scan, every: Sequence[tuple], params: Sequence, counts: Counte
     fit = {g for g, mine in slots.items() if not outside & set(mine)}
     marks = frozenset({CHAIN_Y, FOLLOW} if stream is not None else ())
     live, needs, _ = _regions(body, dict(scan.order), counts, (), marks, {},
-                           firsts=marks - {FOLLOW}, fanins=False)
+                              firsts=marks - {FOLLOW}, fanins=False)
     if stream is not None:
         fit.add(CHAIN_X)
         slots[CHAIN_X] = stream.chain.slots

@@ -264,6 +264,9 @@ def _shift_hist(hist: jax.Array, k) -> jax.Array:
     return jnp.diff(c2)
 
 
+_WIDE = 1e38  # a format with float32's range: nothing it holds flushes at a rule's scale
+
+
 def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
            columns: Columns, fmt_max: float, planned: GroupVector | None = None,
            fmt_min: float | None = None, moved: dict | None = None) -> ScaleStats:
@@ -329,7 +332,7 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
             e_grp.append(i)
             e_set.append(si[row.y])
             e_lim.append(fmt_max / lim)
-            e_own.append(i in own)
+            e_own.append(i in own and lim < _WIDE)
     e_row, e_grp, e_set = (jnp.asarray(v, jnp.int32) for v in (e_row, e_grp, e_set))
     # Every set's scale at once (one gather and a min; a set's row padded with its first).
     width = max(len(a) for a in sets)
@@ -349,8 +352,9 @@ def decode(rows: Sequence[Row], values: Sequence[jax.Array], used: GroupVector,
     a = m[e_row, _AMAX] * jnp.asarray(e_lim, jnp.float32) * f
     amax_v = jnp.maximum(jax.ops.segment_max(a, e_grp, ng), 0.0)
     # What a group measured in rows it anchors other than through a fan-in choosing
-    # its own scale: none where its own rows were zeros (a module whose output's
-    # cotangent is stopped, its input such a fan-in).
+    # its own scale, and held where it may flush (not in float32's range): none where
+    # its own rows were zeros (a module whose output's cotangent is stopped, its input
+    # such a fan-in), or all in float32 (the root of a float32 model, simulating fp8).
     own = vec(jax.ops.segment_max(jnp.where(jnp.asarray(e_own), a, 0.0), e_grp, ng) > 0)
     sumsq = count = hist = None
     if gaussian:

@@ -43,7 +43,8 @@ class Measured(NamedTuple):
       lost_amax: per group, log2 of the largest value at unit scale measured before it
         was lost on its way into the group (-inf: none).
       own: bool, per group: it measured something of its own (a row not converted at a
-        live fan-in's choice, or its parameter gradients).
+        live fan-in's choice and not held in float32's range, or its parameter
+        gradients).
     """
 
     active: jax.Array
@@ -130,7 +131,8 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                   and no group's new s_k exceeds its used scale by more than max_rise
                   (the step was computed far below the scale its statistics call for;
                   a group that measured only rows a live fan-in converted at its own
-                  choice computed nothing at its scale: not checked)
+                  choice, or rows held in float32's range, lost nothing at its scale:
+                  not checked)
 
     So the rule does not cycle: a scale that overflowed is not asked for again on the
     same statistics (for 256 applied steps per learned binade), and one overflow backs

@@ -205,10 +205,11 @@ class ScaleStats:
         group where that value would flush again.
       own: per group, whether it measured something in rows other than those of a
         fan-in that chose its own scale in the backward pass (converted at that choice,
-        not at the group's scale): ``False`` for a module whose output's cotangent is
-        stopped (``stop_gradient``, a frozen branch) though its input is such a
-        fan-in. The rule does not refuse a step as computed below the scale of a group
-        that measured nothing of its own.
+        not at the group's scale) and held where a value may flush (not in float32's
+        range): ``False`` for a module whose output's cotangent is stopped
+        (``stop_gradient``, a frozen branch) though its input is such a fan-in, or for
+        the root of a float32 model simulating fp8. The rule does not refuse a step as
+        computed below the scale of a group that measured nothing of its own.
       verdict: where the gradient function may retry a step (``AdaptiveScale.retries``):
         the rule's next state for the pass these statistics are of (its array fields
         but ``total_retries``) and ``retries``, the passes taken again; the optimizer

@@ -604,6 +604,12 @@ MUTATIONS = {
         ["tests/test_rule.py"],
         "a group whose parameter gradients measured something, but none of its rows, is "
         "not checked against max_rise"),
+    "own-counts-float32": (
+        "adaloss_jax/_channel.py",
+        "            e_own.append(i in own and lim < _WIDE)",
+        "            e_own.append(i in own)",
+        ["tests/test_equinox.py"],
+        "rows held in float32's range count for the max_rise check"),
 }
 
 

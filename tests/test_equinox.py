@@ -127,3 +127,57 @@ def test_no_module_call_is_an_error_that_names_the_fix():
 
     with pytest.raises(ValueError, match="Equinox"):
         eqx_adaptive_value_and_grad(loss_fn)(state, model, 1.0)
+
+
+class _Residual(eqx.Module):
+    """Linear layers with fp16 weights on float32 inputs (so the model computes in
+    float32), one residual block."""
+
+    emb: eqx.nn.Linear
+    a: eqx.nn.Linear
+    b: eqx.nn.Linear
+    head: eqx.nn.Linear
+
+    def __init__(self, key):
+        k = jax.random.split(key, 4)
+        f16 = jnp.float16
+        self.emb = eqx.nn.Linear(8, 16, key=k[0], dtype=f16)
+        self.a = eqx.nn.Linear(16, 16, key=k[1], dtype=f16)
+        self.b = eqx.nn.Linear(16, 16, key=k[2], dtype=f16)
+        self.head = eqx.nn.Linear(16, 4, key=k[3], dtype=f16)
+
+    def __call__(self, x):
+        h = jax.vmap(self.emb)(x)
+        h = h + 0.5 * jax.vmap(self.b)(jnp.tanh(jax.vmap(self.a)(h)))
+        return jax.vmap(self.head)(h)
+
+
+@pytest.mark.parametrize("fmt", ["float8_e4m3fn", "float8_e5m2"])
+def test_a_float32_model_simulating_fp8_skips_nothing_after_step_0(fmt):
+    """A float32 model with its gradients simulated in fp8 (``simulate=True``) and a
+    small loss (x 2^-12): the root's rows are all float32 (no cast narrows the loss),
+    where nothing flushes, so its statistics (calling for a far higher scale) refuse no
+    step as computed below its scale: nothing is skipped. (Counted, they refused step
+    1.)"""
+    model = _Residual(jax.random.key(0))
+    x = jax.random.normal(jax.random.key(1), (64, 8))
+
+    def loss_fn(m, x):
+        return jnp.mean(m(x).astype(jnp.float32) ** 2) * 2.0**-12
+
+    scaler = alj.adaptive(groups="module", grad_dtype=fmt, simulate=True)
+    tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(0.0)))
+    params = eqx.filter(model, eqx.is_inexact_array)
+    vg = eqx_adaptive_value_and_grad(loss_fn)
+
+    @jax.jit
+    def step(opt_state):
+        loss, grads, stats = vg(opt_state, model, x)
+        return tx.update(grads, opt_state, params, loss=loss, scale_stats=stats)[1]
+
+    opt_state, skipped = tx.init(params), []
+    for i in range(4):
+        opt_state = step(opt_state)
+        if not bool(alj.scale_state(opt_state).last_applied):
+            skipped.append(i)
+    assert skipped == []

@@ -689,6 +689,22 @@ def test_the_loss_cast_is_measured_around_every_transformation(around, chunks):
         [want] * len(stats.lost_amax.names), abs=1e-5)
 
 
+def _random_net_skips(ops, tied, tiny, steps=4):
+    """The steps skipped by one of the property test's random linen graphs, per module
+    in e4m3, from the initial scale."""
+    from test_stream_property import _random_net, conformance_step
+
+    tokens, params, _, loss16 = _random_net(ops, tied, tiny)
+    scaler = alj.adaptive(groups="module", grad_dtype="float8_e4m3fn", simulate=True)
+    step, state, _ = conformance_step(scaler, loss16, params, tokens)
+    skipped = []
+    for i in range(steps):
+        _, state, _ = step(state)
+        if not bool(alj.scale_state(state).last_applied):
+            skipped.append(i)
+    return skipped
+
+
 @pytest.mark.parametrize("taken", ["cond-else", "cond"])
 def test_a_region_with_entries_in_both_branches_decides_in_the_branch_taken(taken):
     """Two scanned stacks around an ``nn.cond`` whose branches call the same two Dense
@@ -696,17 +712,7 @@ def test_a_region_with_entries_in_both_branches_decides_in_the_branch_taken(take
     branch runs, the first (``cond-else``) or the last (a decider in each), and no
     step is skipped, from step 0. (With one decider, in the last branch, the first
     branch ran at the plan, and steps 0-2 were skipped.)"""
-    from test_stream_property import _random_net, conformance_step
-
-    tokens, params, _, loss16 = _random_net(("scan", taken, "scan"), False, 2.0**-12)
-    scaler = alj.adaptive(groups="module", grad_dtype="float8_e4m3fn", simulate=True)
-    step, state, _ = conformance_step(scaler, loss16, params, tokens)
-    skipped = []
-    for i in range(4):
-        _, state, _ = step(state)
-        if not bool(alj.scale_state(state).last_applied):
-            skipped.append(i)
-    assert skipped == []
+    assert _random_net_skips(("scan", taken, "scan"), False, 2.0**-12) == []
 
 
 @pytest.mark.parametrize("tiny", [1.0, 2.0**-12])
@@ -717,14 +723,4 @@ def test_a_frozen_branch_reading_a_stream_refuses_no_step(tiny):
     for a scale far above that layer's, at which nothing was computed, so they refuse
     no step. In e4m3 nothing is skipped, from step 0. (Counted, they refused step 0 at
     x 1, and steps 0-1 at x 2^-12.)"""
-    from test_stream_property import _random_net, conformance_step
-
-    tokens, params, _, loss16 = _random_net(("dense", "stopped"), True, tiny)
-    scaler = alj.adaptive(groups="module", grad_dtype="float8_e4m3fn", simulate=True)
-    step, state, _ = conformance_step(scaler, loss16, params, tokens)
-    skipped = []
-    for i in range(4):
-        _, state, _ = step(state)
-        if not bool(alj.scale_state(state).last_applied):
-            skipped.append(i)
-    assert skipped == []
+    assert _random_net_skips(("dense", "stopped"), True, tiny) == []

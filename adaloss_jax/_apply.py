@@ -99,12 +99,17 @@ class Program:
         params_at: list = []
         scans: list = []
         conds: list = []  # (scope, position) of the top level's conds
+        recurs: list = []  # the scans over time met at the top level
 
         def walk(jaxpr, scope: tuple, prefix: tuple, out: list) -> None:
             for i, eqn in enumerate(jaxpr.eqns):
                 kind, at = self.reader.kind(eqn), prefix + (i,)
+                if scope and scope[0] == "time" and kind in (_jaxpr.SCAN, _jaxpr.SHARD_MAP
+                                                            ) and not self._once(eqn):
+                    continue  # (inside a scan over time: its points have no place)
                 if kind == _jaxpr.POINT:
-                    out.extend(((s.n, s.pair), (scope, at)) for s in self._point_sites(eqn))
+                    out.extend(((s.n, s.pair), (scope, at + (j,)))  # (applied in turn)
+                               for j, s in enumerate(self._point_sites(eqn)))
                 elif kind == _jaxpr.PARAMS:
                     params_at.append((scope, at))
                 elif kind in (_jaxpr.INLINE, _jaxpr.REMAT, _jaxpr.COND) or self._once(eqn):
@@ -121,11 +126,18 @@ class Program:
                         id(eqn), (scope, at), eqn.params["length"], eqn.params["reverse"],
                         keys, frozenset(k for k, (sc, _) in inner if sc == ("scan",)),
                         tuple(inner)))
+                elif kind == _jaxpr.SCAN and scope == ():  # a scan over time
+                    body = _jaxpr.subprograms(eqn)[0].jaxpr
+                    inner = []
+                    walk(body, ("time", len(recurs)), (), inner)
+                    recurs.append(_live.Recur(
+                        id(eqn), (scope, at),
+                        frozenset((s.n, s.pair) for s in self._sites_of(body)), tuple(inner)))
 
         walk(self.closed.jaxpr, (), (), top)
         params_order = params_at[0] if len(params_at) == 1 else None
         return _live.analyse(every, top, self.param_pairs, params_order, self.plan.stacked,
-                             scans, frozenset(conds))
+                             scans, frozenset(conds), recurs)
 
     def _once(self, eqn) -> bool:
         """Whether ``eqn`` is a scan of one iteration over no stack of layers (a
@@ -313,6 +325,7 @@ class Program:
         follows = x == _live.FOLLOW  # a stream's way in: the layer's stream but at the first
         if follows:
             x = _live.CHAIN_X
+        recurrent = group is not None and group in live.over_time
         before = self.live.ways_in.get(key)  # (there, a live region's before the scan)
         sc = self.scaler
         limits, chosen = (live.inputs[group] if group is not None
@@ -326,9 +339,10 @@ class Program:
             lo=math.log2(sc.min_loss_scale), hi=math.log2(sc.max_loss_scale), axes=live.axes,
             reserve=float(sc.max_rise),
             halfway=isinstance(group, tuple) or key in self.live.streams, follows=follows,
-            first_token=needs.index(before) if before is not None else None)
+            first_token=needs.index(before) if before is not None else None,
+            recurrent=recurrent)
         base = jnp.stack([jnp.asarray(live.sigma[a], jnp.float32) for a in pair]
-                         + ([live.follows] if follows else []))
+                         + ([live.follows] if follows or recurrent else []))
         ys, emitted = _channel.live_point(lcfg, xs, base, limits, dummy, chosen, taken)
         for g, t in zip(needs, emitted):
             live.tokens.setdefault(g, []).append(t)
@@ -459,6 +473,8 @@ class Program:
         p = eqn.params
         nc, ncar = p["num_consts"], p["num_carry"]
         consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+        if live is not None and id(eqn) in self.live.recurs:
+            return self._over_time(eqn, ins, sub, block, ratios, live)
         if self._once(eqn):  # the body once, in the scope around it (:meth:`_live`)
             outs = self._eval(sub.jaxpr, sub.consts, [*consts, *init, *(x[0] for x in xs)],
                               [d[0] for d in block], ratios, live)
@@ -522,6 +538,39 @@ class Program:
             live.tokens.setdefault(g, []).append(t[chain.first])
         return [*carry[:ncar], *ys[:len(ys) - len(before)]]
 
+    def _over_time(self, eqn, ins, sub, block, ratios, live: _LiveContext) -> list:
+        """A scan over time whose body decides (``Live.recurs``): each region deciding
+        inside takes the token of its choice from the carry and carries on the one its
+        decider emits (the tokens emitted for it before the scan the carry's first),
+        its decider choosing at the iteration executed last (the first the backward pass
+        runs: ``follows`` is 0 there) and reading the carried choice elsewhere; the
+        tokens the body emits for regions deciding after the scan leave it stacked, a
+        token per iteration, and their sum is the one their decider takes."""
+        p = eqn.params
+        nc, ncar, n = p["num_consts"], p["num_carry"], p["length"]
+        consts, init, xs = ins[:nc], ins[nc:nc + ncar], ins[nc + ncar:]
+        inside, after = self.live.recurs[id(eqn)]
+        zero = jnp.zeros((), jnp.float32)
+        first = [sum(live.tokens.pop(g, []), zero) for g in inside]
+        later = (jnp.arange(n) != (0 if p["reverse"] else n - 1)).astype(jnp.float32)
+
+        def step(carry, x):
+            xs_i, rows_i, follows = x
+            ctx = live._replace(tokens={g: [t] for g, t in zip(inside, carry[ncar:])},
+                                follows=follows, over_time=frozenset(inside))
+            outs = self._eval(sub.jaxpr, sub.consts, [*consts, *carry[:ncar], *xs_i],
+                              list(rows_i), ratios, ctx)
+            carried = [sum(ctx.tokens.pop(g, []), zero) for g in inside]
+            emitted = [sum(ctx.tokens.pop(g, []), zero) for g in after]
+            assert not any(ctx.tokens.values()), ctx.tokens  # (the analysis's)
+            return [*outs[:ncar], *carried], [*outs[ncar:], *emitted]
+
+        carry, ys = jax.lax.scan(step, [*init, *first], (list(xs), list(block), later),
+                                 length=n, reverse=p["reverse"], unroll=p["unroll"])
+        for g, t in zip(after, ys[len(ys) - len(after):]):
+            live.tokens.setdefault(g, []).append(jnp.sum(t))
+        return [*carry[:ncar], *ys[:len(ys) - len(after)]]
+
 
 class _LiveContext(NamedTuple):
     """What an evaluation carries for the live regions (the tokens: its scope's)."""
@@ -530,7 +579,9 @@ class _LiveContext(NamedTuple):
     inputs: dict  # live group -> (limits, chosen)
     axes: tuple  # the optimizer's bound mapped axis: deciders agree over it
     tokens: dict  # live group -> the tokens emitted for it so far
-    follows: Any = None  # in a stack's body: 0 at the layer executed first, else 1
+    follows: Any = None  # in a stack's body: 0 at the layer executed first, else 1; in
+    # a scan over time's: 0 at the iteration executed last, else 1
+    over_time: frozenset = frozenset()  # the regions deciding in a scan over time's body
 
 
 def _flatten(tokens: dict) -> tuple[list, list]:

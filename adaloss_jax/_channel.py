@@ -485,6 +485,9 @@ class LiveConfig(NamedTuple):
     halfway: bool = False  # a fan-in's first choice: halfway down its dtype's span
     follows: bool = False  # the x side's token counts x ``base[2]`` (a stream's way in)
     first_token: int | None = None  # and this one x ``1 - base[2]`` (the side before it)
+    recurrent: bool = False  # a decider in a scan over time: it chooses where ``base[2]``
+    # is 0 (the iteration the backward pass runs first), elsewhere it reads its x side's
+    # token (the choice carried from there); ``chosen`` counts at that iteration only
 
 
 def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
@@ -617,12 +620,17 @@ def _live_point_bwd(cfg, res, cts):
     moved = jnp.zeros((), jnp.float32)
     if cfg.decides:
         chosen_x, mine = decide(amax, cts, ly, limits, cfg, pc.dummy_axes)
-        moved = chosen_x - base[0]
-        if cfg.follows:  # a stream's way in deciding the region before the first layer:
-            # there only (elsewhere its x side is the layer's stream, read as above)
-            first = base[2] == 0
+        first = base[2] == 0 if cfg.follows or cfg.recurrent else None
+        if cfg.follows or cfg.recurrent:  # it decides at one layer or iteration only:
+            # a stream's way in deciding the region before the first layer (elsewhere
+            # its x side is the layer's stream, read as above), or a decider in a scan
+            # over time (elsewhere its choice is the one carried; the group's scale is
+            # one for every iteration, its gradients summed over them)
             chosen_x = jnp.where(first, chosen_x, lx)
-            mine, moved = (jnp.where(first, v, 0.0) for v in (mine, moved))
+            mine = jnp.where(first, mine, 0.0)
+        moved = chosen_x - base[0]
+        if cfg.follows:
+            moved = jnp.where(first, moved, 0.0)
         lx = chosen_x
     ratio = _formats.pow2(lx) / _formats.pow2(ly)
     out = tuple((c.astype(jnp.float32) * ratio).astype(c.dtype) for c in cts)

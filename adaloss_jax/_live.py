@@ -69,6 +69,23 @@ A stack of layers in one scan decides too, a scale per layer (``Live.layers``):
                       region's last entry (its whole border before the scan), decides
                       it at the first layer, the tokens emitted for it entering the scan
 
+A scan over time (no stack: every iteration reads the same parameters, an RNN's cell)
+decides too, a scale per region for every iteration (``Live.recurs``), since the
+parameter gradients are summed over the iterations:
+
+    inside        = a region whose every entry is in the body, analysed as one program
+                    there, its border in the body or before the scan (in the scan's
+                    scope, met once, a parameter conversion included): its decider
+                    chooses at the iteration the backward pass runs first (the last
+                    executed), and its choice rides in the carry to the others (the
+                    tokens emitted for it before the scan are the carry's first, so
+                    the last iteration's choice reaches them); elsewhere it reads the
+                    carried choice, its measurement unused
+    after         = a region deciding after the scan whose border reaches into the body
+                    (the head reading the cell's output): its border there counts as at
+                    the scan's place, and every iteration emits a token for it, stacked
+                    out of the scan and summed, so its choice reaches every iteration
+
 The decider measures the arriving cotangent (at the scale of its consumer side) and
 chooses ``g``'s log2 scale (:func:`adaloss_jax._channel.decide`). Every border point
 that converts into or out of ``g`` needs that choice in its own backward pass, which
@@ -144,6 +161,10 @@ class Live(NamedTuple):
         region before the first layer (``group``: no entry of it after the scan, its
         whole border before it), at the layer executed first, from the cotangent
         arriving there; the tokens emitted for it before the scan enter the scan.
+      recurs: ``{scan equation id: (inside, after)}``: per scan over time
+        (:class:`Recur`), the live regions deciding in its body (their deciders carry
+        their choice from iteration to iteration) and those deciding after it that its
+        body's points need (a token per iteration, stacked out of the scan).
     """
 
     groups: tuple[str, ...] = ()
@@ -156,6 +177,7 @@ class Live(NamedTuple):
     streams: frozenset = frozenset()
     ways_in: dict = {}
     opens: dict = {}
+    recurs: dict = {}
 
     @property
     def any(self) -> bool:
@@ -172,6 +194,16 @@ class Scan(NamedTuple):
     reverse: bool
     keys: frozenset  # the site keys of its body
     top: frozenset  # those met at the body's own top level (nested jits inlined)
+    order: tuple = ()  # ``(key, (scope, position))`` of the body's sites, in its order
+
+
+class Recur(NamedTuple):
+    """A scan over time (no stack of layers, more than one iteration, met at the top
+    level) as the analysis sees it."""
+
+    id: int  # the scan equation's id
+    at: tuple  # its (scope, position) in the forward order
+    keys: frozenset  # the site keys of its body
     order: tuple = ()  # ``(key, (scope, position))`` of the body's sites, in its order
 
 
@@ -318,7 +350,8 @@ def _only_ways_in(scan: Scan, every: Sequence[tuple], params: Sequence, order: d
 
 def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             params_order: float, stacked: frozenset = frozenset(),
-            scans: Sequence[Scan] = (), conds: frozenset = frozenset()) -> Live:
+            scans: Sequence[Scan] = (), conds: frozenset = frozenset(),
+            recurs: Sequence[Recur] = ()) -> Live:
     """The live regions.
 
     Args:
@@ -337,6 +370,7 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
       conds: the ``(scope, position)`` of each ``cond`` met at the top level (its
         branches' sites at ``position + (branch, ...)``): a region whose last entry is in
         a branch decides in the others too (:func:`_branch_deciders`).
+      recurs: the scans over time met at the top level (:func:`_over_time`).
     """
     order = dict(top)
     counts = Counter(key for key, _, _ in every)
@@ -397,12 +431,32 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     def way_in(pair):  # a side in a stream's first layer: its anchor set as one name
         return tuple((a,) if a in ways_in else a for a in pair)
 
+    timed = frozenset().union(*(r.keys for r in recurs))
+    for r in recurs:  # a body's border: at the scan's place; its entries: none outside
+        for k, (x, y), c in every:
+            gx, gy = region_key(x), region_key(y)
+            if k not in r.keys or not c or gx == gy:
+                continue
+            if gx is not None:
+                opened.setdefault(gx, []).append(("in time", r.id))  # (never in order)
+            if gy is not None and ("time", r.id) not in extra.get(gy, ()):
+                extra.setdefault(gy, []).append(("time", r.id))
+        order[("time", r.id)] = r.at
+        counts[("time", r.id)] = 1
     live, needs, others = _regions(
-        [(k, way_in(pair), c) for k, pair, c in every if k not in inside], order, counts,
-        [p and way_in(p) for p in params], stacked | named, extra, firsts, root=seeded,
-        opened=opened, conds=conds)
-    deciders = {d: g for g, d in [*live.items(), *((g, k) for k, g in others.items())]
-                if d[0] != "way in"}
+        [(k, way_in(pair), c) for k, pair, c in every if k not in inside | timed], order,
+        counts, [p and way_in(p) for p in params], stacked | named, extra, firsts,
+        root=seeded, opened=opened, conds=conds)
+    recurring, inside_time = {}, {}
+    for r in recurs:
+        found = _over_time(r, every, order, counts, params, stacked | named, live)
+        if found:
+            inside_time.update(found[0])
+            recurring[r.id] = (tuple(sorted(found[0], key=repr)), found[2])
+            for k, w in found[1].items():
+                needs[k] = tuple(dict.fromkeys((*needs.get(k, ()), *w)))
+    deciders = {d: g for g, d in [*live.items(), *((g, k) for k, g in others.items()),
+                                  *inside_time.items()] if d[0] != "way in"}
     names.update({k: tuple(a if a in ways_in else region_key(a) for a in pair)
                   for k, pair, _ in [*every, *_param_sites(params)]
                   if k not in inside and ways_in & set(pair)})
@@ -435,24 +489,81 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
                 needs.update(wanted)
                 names.update(named)
     slots = [g for by_name in layers.values() for group in by_name.values() for g in group]
-    fanins = sorted(g for g in [*live, *slots] if isinstance(g, tuple))
-    groups = [g for g in [*live, *slots] if not isinstance(g, tuple)]
+    fanins = sorted(g for g in [*live, *slots, *inside_time] if isinstance(g, tuple))
+    groups = [g for g in [*live, *slots, *inside_time] if not isinstance(g, tuple)]
     return Live(tuple(sorted(groups)), deciders, needs, chains, layers, names,
                 tuple(fanins), frozenset(st.chain.decider for _, st, _ in streams.values()),
-                ways, opens)
+                ways, opens, recurring)
+
+
+def _over_time(r: Recur, every: Sequence[tuple], order: dict, counts: Counter,
+               params: Sequence, stacked: frozenset, live: dict):
+    """The live regions of the scan over time ``r``: ``({group: its decider in the body},
+    {site key: the groups it needs}, the groups deciding after the scan that its body's
+    points need)``, or ``None`` where none.
+
+    Its body's sites are analysed as one program (:func:`_regions`, in the body's own
+    order), every group there a whole group. A region decides inside where no entry of
+    it lies outside the body and every point of its border outside it (a parameter
+    conversion included) is met once in the scan's scope before it: those points' tokens
+    are the carry's first. ``live``: the regions deciding at the top level, whose border
+    the body's points may be on (``extra`` there: at the scan's place)."""
+    body = [(k, pair, c) for k, pair, c in every if k in r.keys]
+    after = sorted({region_key(y) for k, (x, y), c in body
+                    if c and region_key(y) in live and region_key(y) != region_key(x)},
+                   key=repr)
+
+    def early(k):  # met once in the scan's scope, before it
+        return (counts[k] == 1 and k in order and order[k][0] == r.at[0]
+                and order[k][1] < r.at[1])
+
+    barred, before = set(), {}
+    for k, (x, y), c in every:
+        gx, gy = region_key(x), region_key(y)
+        if k in r.keys or not c or gx == gy:
+            continue
+        barred.add(gx)
+        if gy is not None:
+            before.setdefault(gy, []).append(k) if early(k) else barred.add(gy)
+    for k, pair, _ in _param_sites(params):
+        for g in {region_key(a) for a in pair} - {None}:
+            before.setdefault(g, []).append(k) if early(k) else barred.add(g)
+    inside: dict = {}
+    needs: dict = {}
+    if r.order:
+        start = ("before time", r.id)  # the points before the scan, as one
+        scope = r.order[0][1][0]
+        found, wanted, _ = _regions(
+            body, {**dict(r.order), start: (scope, (-1,))}, counts + Counter({start: 1}),
+            (), stacked, {g: [start] for g in before}, carried=True)
+        inside = {g: d for g, d in found.items() if g not in barred and g not in live}
+        needs = {k: w for k, w in ((k, tuple(g for g in w if g in inside))
+                                   for k, w in wanted.items()) if w}
+        for g, d in inside.items():  # (its own token: the carry's, for the iteration
+            needs[d] = (*needs.get(d, ()), g)  # the backward pass runs next)
+            for k in before.get(g, ()):
+                needs[k] = (*needs.get(k, ()), g)
+    for k, (x, y), c in body:
+        if c and region_key(y) in after and region_key(y) != region_key(x):
+            needs[k] = tuple(dict.fromkeys((*needs.get(k, ()), region_key(y))))
+    if not inside and not after:
+        return None
+    return inside, needs, tuple(after)
 
 
 def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: frozenset,
              extra: dict, firsts=frozenset(), root: bool = False, fanins: bool = True,
-             opened: dict | None = None, conds: frozenset = frozenset()
-             ) -> tuple[dict, dict, dict]:
+             opened: dict | None = None, conds: frozenset = frozenset(),
+             carried: bool = False) -> tuple[dict, dict, dict]:
     """The live groups with their deciders, what every site needs, and the deciders
     beyond each group's last entry (``{site key: group}``, in the other branches of the
     conds around it, ``conds``: :func:`_branch_deciders`), of the sites ``every``
     (``extra``: border keys beyond theirs; ``opened``: entry keys beyond theirs;
     ``firsts``: groups whose tokens a chain takes; ``root``: whether the root may be
     live, its regions not the loss's; ``fanins``: whether a fan-in may be, keyed by its
-    anchor set, :func:`region_key`)."""
+    anchor set, :func:`region_key`; ``carried``: the border may follow the decider, as
+    in a scan over time's body, where its tokens ride in the carry to the decider of the
+    iteration the backward pass runs next)."""
     key_of = functools.partial(region_key, fanins=fanins)
     entries: dict[str, list] = {g: list(keys) for g, keys in (opened or {}).items()}
     border: dict[str, list] = {g: list(keys) for g, keys in extra.items()}
@@ -489,7 +600,8 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
             continue
         d = max(keys, key=order.get)  # the last way in: the first the backward pass meets
         scope, at = order[d]
-        if all(order[k][0] == scope and order[k][1] < at for k in rest if k != d):
+        if all(order[k][0] == scope and (order[k][1] < at or carried and k not in keys)
+               for k in rest if k != d):
             live[g] = d
             branch[g] = _branch_deciders(d, keys, rest, order, conds)
     others = {k: g for g, ks in branch.items() for k in ks}

@@ -270,14 +270,14 @@ MUTATIONS = {
         "layer, not only the first"),
     "way-in-group-scale-summed-over-layers": (
         "adaloss_jax/_channel.py",
-        "            mine, moved = (jnp.where(first, v, 0.0) for v in (mine, moved))",
-        "            moved = jnp.where(first, moved, 0.0)",
+        "            mine = jnp.where(first, mine, 0.0)",
+        "            pass",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the group's scale a way in chose is summed over every layer's choice"),
     "way-in-token-summed-over-layers": (
         "adaloss_jax/_channel.py",
-        "            mine, moved = (jnp.where(first, v, 0.0) for v in (mine, moved))",
-        "            mine = jnp.where(first, mine, 0.0)",
+        "            moved = jnp.where(first, moved, 0.0)",
+        "            pass",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
         "the points before the scan read a way in's choice summed over every layer"),
     "way-in-tokens-left-outside": (
@@ -610,6 +610,57 @@ MUTATIONS = {
         "            e_own.append(i in own)",
         ["tests/test_equinox.py"],
         "rows held in float32's range count for the max_rise check"),
+    "time-decides-at-every-step": (
+        "adaloss_jax/_apply.py",
+        "        recurrent = group is not None and group in live.over_time",
+        "        recurrent = False",
+        ["tests/test_live.py"],
+        "a decider in a scan over time chooses at every step, not once for all"),
+    "time-decides-at-the-first-step": (
+        "adaloss_jax/_apply.py",
+        "(0 if p[\"reverse\"] else n - 1)",
+        "(n - 1 if p[\"reverse\"] else 0)",
+        ["tests/test_live.py"],
+        "a scan over time decides at the step executed first, not the one the backward "
+        "pass runs first"),
+    "time-tokens-before-left-out": (
+        "adaloss_jax/_apply.py",
+        "        first = [sum(live.tokens.pop(g, []), zero) for g in inside]",
+        "        first = [zero for g in inside]",
+        ["tests/test_live.py"],
+        "the points before a scan over time read the plan, not the choice made inside"),
+    "time-after-token-last-step-only": (
+        "adaloss_jax/_apply.py",
+        "            live.tokens.setdefault(g, []).append(jnp.sum(t))",
+        "            live.tokens.setdefault(g, []).append(t[-1])",
+        ["tests/test_live.py"],
+        "only a scan over time's last step reads the choice of a region after it"),
+    "time-late-border-refused": (
+        "adaloss_jax/_live.py",
+        "(order[k][1] < at or carried and k not in keys)",
+        "(order[k][1] < at)",
+        ["tests/test_live.py"],
+        "a region in a scan over time with a border point after its decider keeps the "
+        "plan"),
+    "time-outside-entries-ignored": (
+        "adaloss_jax/_live.py",
+        "        inside = {g: d for g, d in found.items() if g not in barred and g not in live}",
+        "        inside = {g: d for g, d in found.items() if g not in live}",
+        ["tests/test_live.py"],
+        "a region read outside a scan over time (or in two of them) decides inside it"),
+    "time-late-outside-border-allowed": (
+        "adaloss_jax/_live.py",
+        "            before.setdefault(gy, []).append(k) if early(k) else barred.add(gy)",
+        "            before.setdefault(gy, []).append(k)",
+        ["tests/test_live.py"],
+        "a region in a scan over time decides though its border outside follows the "
+        "scan"),
+    "time-scans-unrecorded": (
+        "adaloss_jax/_apply.py",
+        "                elif kind == _jaxpr.SCAN and scope == ():  # a scan over time",
+        "                elif False:",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "no region decides in a scan over time"),
 }
 
 

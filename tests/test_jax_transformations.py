@@ -348,7 +348,7 @@ def test_transformed_model_measures_what_its_untransformed_twin_measures(
 
 
 @pytest.mark.filterwarnings("ignore:adaloss_jax. same-step scales .same_step, on by")  # (drawn
-# cases where nothing can decide; test_live.py checks the notice: a scan of the loss)
+# cases where nothing can decide; test_live.py checks the notice: a scan in a scan)
 @PROPERTY
 @given(front_end=st.sampled_from(FRONT_ENDS), around=st.sampled_from(AROUND),
        inside=st.sampled_from(INSIDE), same_step=st.booleans(),

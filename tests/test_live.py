@@ -26,6 +26,7 @@ from test_jax_transformations import (
     FRONT_ENDS,
     INSIDE,
     PROPERTY,
+    _around,
     build,
     unscaled_through_optimizer,
 )
@@ -109,6 +110,68 @@ def test_a_cond_nested_in_another_branch_than_the_last_entrys_decides_too():
     live = _live.analyse(every, top, [], None, conds=frozenset({((), (1,)), ((), (1, 0, 0))}))
     assert live.deciders == {"last": "b", "inner1": "b", "inner0": "b"}
     assert live.needs == {"b_in": ("b",)}
+
+
+def _time(*keys):
+    """A scan over time (id 7) at position 1 whose body holds ``keys``, in that order."""
+    return _live.Recur(7, _at(1), frozenset(keys), tuple(_top(*keys, scope=("time", 0))))
+
+
+def test_a_scan_over_time_decides_inside_its_body_and_after_it():
+    # e, before the scan, feeds the cell c. The cell's state (anchors (c, h)) is read
+    # by the cell at the next step and by the head h after the scan. In the body: c's
+    # input point (an entry of the state), c's output point (c's decider) and the
+    # cell's output point into h (the state's last entry: its decider). After the scan:
+    # h's output point, h's decider.
+    state = ("c", "h")
+    every = [_site("e_out", ("e",), ("c",)),   # before the scan: c's border
+             _site("c_in", state, ("c",)),     # body
+             _site("c_out", ("c",), state),    # body
+             _site("h_in", state, ("h",)),     # body: h's border
+             _site("h_out", ("h",), ("",))]    # after the scan
+    top = [("e_out", _at(0)), ("h_out", _at(2))]
+    recur = _time("c_in", "c_out", "h_in")
+    live = _live.analyse(every, top, [], None, recurs=[recur])
+    assert set(live.groups) == {"c", "e", "h"} and live.fanins == (state,)
+    assert live.recurs == {7: (("c", state), ("h",))}
+    assert live.deciders == {"e_out": "e", "h_out": "h", "c_out": "c", "h_in": state}
+    assert live.needs == {
+        "e_out": ("c",),             # into the carry, the first iteration's token
+        "c_in": (state, "c"),        # (c, h)'s choice, and c's
+        "c_out": (state, "c"),       # its consumer's, and its own: the carried choice
+        "h_in": (state, "h"),        # its own (carried), and the head's: a token a step
+    }
+    # Without the scan (its points with no place), only e decides: as before.
+    assert _live.analyse(every, top, [], None).groups == ("e",)
+
+
+def test_a_scan_over_time_leaves_out_a_region_with_an_entry_or_a_late_border_outside():
+    # c is read in the body and after the scan (an entry outside): it keeps the plan,
+    # and so does what reads its choice alone. b's border lies after the scan: kept.
+    every = [_site("c_in", ("",), ("c",)), _site("c_out", ("c",), ("",)),
+             _site("c_again", ("c",), ("",)),
+             _site("b_out", ("b",), ("",)), _site("b_late", ("",), ("b",))]
+    top = [("c_in", _at(0)), ("c_again", _at(2)), ("b_late", _at(3))]
+    live = _live.analyse(every, top, [], None, recurs=[_time("c_out", "b_out")])
+    assert "c" not in live.groups and "b" not in live.groups
+    # a border before the scan but met twice: kept too
+    every = [_site("b_in", ("",), ("b",)), _site("b_out", ("b",), ("",))]
+    live = _live.analyse(every + every[:1], [("b_in", _at(0))], [], None,
+                         recurs=[_time("b_out")])
+    assert live.groups == ()
+    live = _live.analyse(every, [("b_in", _at(0))], [], None, recurs=[_time("b_out")])
+    assert live.groups == ("b",) and live.needs == {"b_in": ("b",), "b_out": ("b",)}
+
+
+def test_a_scan_over_time_carries_a_border_after_its_decider_to_the_next_step():
+    # s (the state) is read by the cell's Dense d inside the step (d's input point, the
+    # entry of s, its decider) and written back after it (d's output into s: its
+    # border, after the decider): that point converts the cotangent the next step's
+    # reading sent back, so it reads the choice from the carry.
+    every = [_site("d_in", ("s",), ("d",)), _site("d_out", ("d",), ("s",))]
+    live = _live.analyse(every, [], [], None, recurs=[_time("d_in", "d_out")])
+    assert live.deciders == {"d_in": "s", "d_out": "d"}
+    assert live.needs == {"d_in": ("d", "s"), "d_out": ("s", "d")}
 
 
 def test_a_fan_in_decides_at_its_last_entry_and_its_other_exits_get_tokens():
@@ -1199,15 +1262,51 @@ def test_a_parameter_read_by_another_module_is_converted_at_its_owners_choice():
     assert_fp32_trees_close(got, jax.grad(loss)(params, x))
 
 
-def test_a_scan_of_the_loss_keeps_the_plan_and_stays_exact():
+def test_a_scan_of_the_loss_decides_at_its_last_iteration_and_stays_exact():
     """Inside a scan a point's backward pass runs once per iteration, and a module's
-    parameters are shared by them all: it keeps the rule's scale."""
+    parameters are shared by them all: it decides at the iteration the backward pass
+    runs first (the last), from the cotangent arriving there (here the largest: each
+    iteration's loss weighs twice the one before), and every other iteration converts
+    at that choice, carried to it; whatever the prior, the same choice and jax.grad's
+    gradients."""
+    params, _, _ = _chain()
+    weights = 2.0 ** jnp.arange(-4.0, 1.0)
+
+    def loss(p, x, y=None):
+        def body(c, xw):
+            xi, w = xw
+            return c + _chain_loss(p, xi[None].repeat(5, 0)) * w / 5, None
+        return jax.lax.scan(body, 0.0, (x, weights))[0]
+
+    x = jnp.asarray(_X)
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
+                          retries=0)
+    _, program, _ = alj._grad.trace(loss, scaler, params, (x,), {})
+    assert program.live.groups == ("d1", "d2")
+    for prior in ({"": 3, "d1": 5, "d2": 12}, {"": 3, "d1": -9, "d2": 1}):
+        step, state = _grads_through(scaler, loss, params, (x,), prior)
+        got, new_state, stats = step(state, params, x, _Y)
+        assert_fp32_trees_close(got, jax.grad(loss)(params, x))
+        # (each iteration's cotangent 1/5 of the chain's: the last one's choice)
+        assert float(stats.log2_scales["d2"]) == _first(np.abs(_C).max() / 5)
+        assert float(stats.log2_scales["d1"]) == _first(np.abs(_C @ _W2.T).max() / 5)
+        assert bool(new_state[0].base.last_applied)
+
+
+def test_a_scan_nested_in_a_scan_of_the_loss_keeps_the_plan_and_says_so():
+    """A scan inside a scan over time: its points' backward pass runs per iteration of
+    both, and nothing there decides (nor anywhere in this loss: a notice says so, once).
+    The scales are the rule's, and the gradients stay exact."""
     params, _, _ = _chain()
 
     def loss(p, x, y=None):
-        def body(c, xi):
-            return c + _chain_loss(p, xi[None].repeat(5, 0)) / 5, None
-        return jax.lax.scan(body, 0.0, x)[0]
+        def inner(c, xi):
+            return c + _chain_loss(p, xi[None].repeat(5, 0)) / 10, None
+
+        def outer(c, xi):
+            return c + jax.lax.scan(inner, 0.0, jnp.stack([xi, xi]))[0], None
+
+        return jax.lax.scan(outer, 0.0, x)[0]
 
     scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
                           retries=0)
@@ -1256,24 +1355,32 @@ class _Recurrent(nn.Module):
     step."""
 
     cell: str
+    reverse: bool = False
+    every_step: bool = False  # the head reads every step's output (their mean)
 
     @nn.compact
     def __call__(self, x):
         x = nn.Dense(8)(x)
         cell = nn.remat(nn.GRUCell)(8) if self.cell == "gru" else nn.LSTMCell(8)
-        return nn.Dense(4)(nn.RNN(cell)(x)[:, -1])
+        h = nn.RNN(cell, reverse=self.reverse, keep_order=True)(x)
+        return nn.Dense(4)(h.mean(1) if self.every_step else h[:, 0 if self.reverse else -1])
 
 
-@pytest.mark.parametrize("cell,steps", [("gru", 5), ("lstm", 5), ("gru", 1)])
-def test_an_rnn_over_time_keeps_the_plan_in_its_scan_and_stays_exact(cell, steps):
+@pytest.mark.parametrize("cell,steps,reverse,every_step", [
+    ("gru", 5, False, False), ("lstm", 5, False, False), ("gru", 1, False, False),
+    ("gru", 5, True, False), ("lstm", 5, False, True)])
+def test_an_rnn_over_time_decides_in_its_scan_and_stays_exact(cell, steps, reverse,
+                                                             every_step):
     """Flax's ``nn.RNN``: a scan over time whose every step reads the cell's parameters
-    (one scale for all steps, their gradients summed over them). The cell keeps the
-    rule's scale, and so does the head (the cell's output is read by the head alone, so
-    the head's region reaches into the scan's body); the Dense before the scan decides;
-    the gradients are fp32's under any prior, a checkpoint in the scan's body included.
-    Over one step the scan is its body run once: every region decides, the
-    checkpoint's tokens crossing it."""
-    model = _Recurrent(cell)
+    (one scale for all steps, their gradients summed over them). Every region decides:
+    the cell's (its Dense layers, its input's and its state's fan-ins) at the time step
+    the backward pass runs first, carrying the choice to the others; the head after
+    the scan, its border inside the body reading its choice from a token per step; the
+    Dense before the scan, whose border is the cell's input. Each chooses the same
+    scale whatever the prior, and the gradients are fp32's under any prior, a
+    checkpoint in the scan's body included, read backwards over time too, and with the
+    head reading every step. Over one step the scan is its body run once."""
+    model = _Recurrent(cell, reverse, every_step)
     x = jax.random.normal(jax.random.key(1), (4, steps, 3))
     labels = jnp.asarray([0, 1, 2, 3])
     params = model.init(jax.random.key(0), x)["params"]
@@ -1283,17 +1390,57 @@ def test_an_rnn_over_time_keeps_the_plan_in_its_scan_and_stays_exact(cell, steps
         return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
 
     _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (x,), {})
-    cell_groups = {g for g in alj.param_groups(params, SAME_STEP) if "Cell" in g}
+    groups = alj.param_groups(params, SAME_STEP)
+    cell_groups = {g for g in groups if "Cell" in g}
     assert cell_groups
-    if steps == 1:
-        assert set(program.live.groups) == cell_groups | {"Dense_0", "Dense_1"}
-        _exact_under_random_priors(loss, params, (x,), 7, -6, 12)
-        return
-    assert program.live.groups == ("Dense_0",)
-    step, state = _exact_under_random_priors(loss, params, (x,), 7, -6, 12)
-    _, _, stats = step(state, params, x, _Y)
-    for g in cell_groups | {"Dense_1"}:  # (the scale it was given)
-        assert float(stats.log2_scales[g]) == float(state[0].log2_scales[g])
+    assert set(program.live.groups) == cell_groups | {"Dense_0", "Dense_1"}
+    # (the cell's input and its state; an LSTM's state read by the head and the next
+    # step, and by the next step alone)
+    assert len(program.live.fanins) == (3 if cell == "lstm" else 2)
+    chose, priors = [], []
+    for seed in (7, 8):
+        step, state = _exact_under_random_priors(loss, params, (x,), seed, -6, 12)
+        _, _, stats = step(state, params, x, _Y)
+        chose.append({g: float(stats.log2_scales[g]) for g in program.live.groups})
+        priors.append({g: float(state[0].log2_scales[g]) for g in program.live.groups})
+    # (over one step the hidden state is zeros: the reset gate's Dense layers receive
+    # zeros, and keep their plan)
+    kept = {g for g in program.live.groups if all(c[g] == p[g] for c, p in zip(chose, priors))}
+    assert kept == (set() if steps > 1 else {g for g in cell_groups if g[-2:] in ("ir", "hr")})
+    for g in set(program.live.groups) - kept:  # from the cotangent in hand, not the prior
+        assert chose[0][g] == chose[1][g], g
+
+
+@pytest.mark.parametrize("around", [a for a in AROUND if a != "shard_map"])
+def test_an_rnn_under_a_transformation_around_the_model_stays_exact(around):
+    """The GRU over time with ``vmap`` (per example), ``checkpoint``, ``jit``, ``cond`` or
+    ``shard_map`` around the whole model: its regions decide as without, each the same
+    whatever the prior, and the gradients are fp32's under any prior. Inside a
+    ``shard_map`` of the loss nothing decides; under the ``cond`` the model runs in
+    both branches, two scans over time sharing the cell, whose regions keep the plan
+    (Dense layers decide in each branch). (Flax's ``nn.RNN`` cannot be traced inside a
+    ``shard_map`` that checks types: its zero initial carry is not typed as varying.)"""
+    model = _Recurrent("gru")
+    x = jax.random.normal(jax.random.key(1), (4, 5, 3))
+    labels = jnp.asarray([0, 1, 2, 3])
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p, x, y=None):
+        logits = _around(around, lambda v: model.apply({"params": p}, v))(x)
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), labels).mean()
+
+    _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (x,), {})
+    groups = set(alj.param_groups(params, SAME_STEP))
+    assert set(program.live.groups) == (
+        set() if around.startswith("shard_map") else {"Dense_0", "Dense_1"}
+        if around == "cond" else groups - {""})
+    chose = []
+    for seed in (3, 4):
+        step, state = _exact_under_random_priors(loss, params, (x,), seed, -6, 12)
+        _, _, stats = step(state, params, x, _Y)
+        chose.append({g: float(stats.log2_scales[g]) for g in program.live.groups})
+    assert chose[0] == chose[1]
 
 
 def test_a_vmap_inside_the_loss_decides_on_the_whole_batch():

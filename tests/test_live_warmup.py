@@ -724,3 +724,15 @@ def test_a_frozen_branch_reading_a_stream_refuses_no_step(tiny):
     no step. In e4m3 nothing is skipped, from step 0. (Counted, they refused step 0 at
     x 1, and steps 0-1 at x 2^-12.)"""
     assert _random_net_skips(("dense", "stopped"), True, tiny) == []
+
+
+@pytest.mark.parametrize("ops,tied,tiny", [
+    (("rnn",), False, 2.0**-12),
+    pytest.param(("dense", "rnn", "residual"), True, 2.0**-20, marks=pytest.mark.slow)])
+def test_an_rnn_over_time_decides_in_its_scan_and_skips_nothing(ops, tied, tiny):
+    """Flax's ``nn.RNN`` of a GRU cell over the tokens (under ``nn.remat``), in e4m3 with
+    a small loss: the cell's regions decide at the last time step and carry the choice
+    to the others, the layer after it decides from the tokens every step emits, and no
+    step is skipped, from step 0. (With the cell and what read its output at the plan,
+    steps 0-1 were skipped.)"""
+    assert _random_net_skips(ops, tied, tiny) == []

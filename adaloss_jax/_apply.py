@@ -335,7 +335,9 @@ class Program:
             cfg, x_token=needs.index(x) if x in needs else None,
             y_token=needs.index(y) if y in needs else None, emits=len(needs),
             decides=group is not None, takes=len(taken),
-            target=math.log2(cfg.x_max) - sc.margin,
+            target=math.log2(min(cfg.x_max, _formats.FLOAT16.max)) - sc.margin,  # (a
+            # point held wider than float16, an RNN's float32 state: its region holds the
+            # cell's float16 values too; :func:`_channel.halfway` likewise)
             lo=math.log2(sc.min_loss_scale), hi=math.log2(sc.max_loss_scale), axes=live.axes,
             reserve=float(sc.max_rise),
             halfway=isinstance(group, tuple) or key in self.live.streams, follows=follows,

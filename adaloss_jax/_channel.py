@@ -553,9 +553,16 @@ def halfway(cts: tuple, target: float) -> float:
     cotangent grows below its decider by an amount nothing has measured yet (each
     reader's branch adds to it, a block's gain multiplies it); with its largest value
     halfway down, it may grow by half the dtype's span before it overflows, and only
-    values smaller by more than that flush."""
+    values smaller by more than that flush.
+
+    A dtype wider than float16 counts as float16: the region holds values in a narrow
+    dtype too, where a scale put halfway down float32's span (82 binades) would flush
+    them (an RNN's state carried in float32 through a cell computing in float16)."""
     low = min(math.log2(float(jnp.finfo(c.dtype).smallest_subnormal)) for c in cts)
-    return float(math.floor((target - low) / 2))
+    return float(math.floor((target - max(low, _FLOAT16_LOW)) / 2))
+
+
+_FLOAT16_LOW = math.log2(_formats.FLOAT16.min_subnormal)  # (-24)
 
 
 def first_reserve(cts: tuple) -> float:

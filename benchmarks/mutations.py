@@ -655,6 +655,13 @@ MUTATIONS = {
         ["tests/test_live.py"],
         "a region in a scan over time decides though its border outside follows the "
         "scan"),
+    "halfway-float32-span": (
+        "adaloss_jax/_channel.py",
+        "    return float(math.floor((target - max(low, _FLOAT16_LOW)) / 2))",
+        "    return float(math.floor((target - low) / 2))",
+        ["tests/test_live.py"],
+        "a fan-in deciding at a float32 point puts its cotangent halfway down float32's "
+        "span, where its region's float16 values flush"),
     "time-scans-unrecorded": (
         "adaloss_jax/_apply.py",
         "                elif kind == _jaxpr.SCAN and scope == ():  # a scan over time",

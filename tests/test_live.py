@@ -1357,13 +1357,16 @@ class _Recurrent(nn.Module):
     cell: str
     reverse: bool = False
     every_step: bool = False  # the head reads every step's output (their mean)
+    dtype: object = None
 
     @nn.compact
     def __call__(self, x):
-        x = nn.Dense(8)(x)
-        cell = nn.remat(nn.GRUCell)(8) if self.cell == "gru" else nn.LSTMCell(8)
+        x = nn.Dense(8, dtype=self.dtype)(x)
+        cell = (nn.remat(nn.GRUCell)(8, dtype=self.dtype) if self.cell == "gru"
+                else nn.LSTMCell(8, dtype=self.dtype))
         h = nn.RNN(cell, reverse=self.reverse, keep_order=True)(x)
-        return nn.Dense(4)(h.mean(1) if self.every_step else h[:, 0 if self.reverse else -1])
+        return nn.Dense(4, dtype=self.dtype)(
+            h.mean(1) if self.every_step else h[:, 0 if self.reverse else -1])
 
 
 @pytest.mark.parametrize("cell,steps,reverse,every_step", [
@@ -1409,6 +1412,48 @@ def test_an_rnn_over_time_decides_in_its_scan_and_stays_exact(cell, steps, rever
     assert kept == (set() if steps > 1 else {g for g in cell_groups if g[-2:] in ("ir", "hr")})
     for g in set(program.live.groups) - kept:  # from the cotangent in hand, not the prior
         assert chose[0][g] == chose[1][g], g
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm"])
+def test_an_rnn_computing_in_float16_gets_float32s_gradients(cell):
+    """The RNN computing in float16, its state carried in float32 (Flax's default carry
+    dtype), the loss x 2^-12: from the default initial scale, every step's unscaled
+    gradients are the float32 model's to float16's precision, none flushed to zeros.
+    (A fan-in deciding at a float32 point put its cotangent halfway down float32's span
+    at first, and the cell's float16 values flushed: every gradient but the head's was
+    zero.)"""
+    x = jax.random.normal(jax.random.key(1), (16, 6, 3))
+    labels = jnp.arange(16) % 4
+
+    def loss_of(dtype):
+        model = _Recurrent(cell, every_step=True, dtype=dtype)
+
+        def loss(p, x, y=None):
+            logits = model.apply({"params": p}, x).astype(jnp.float32)
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits, labels).mean() * 2.0**-12
+        return model, loss
+
+    model, loss32 = loss_of(jnp.float32)
+    params = model.init(jax.random.key(0), x)["params"]
+    ref = jax.grad(loss32)(params, x)
+    scaler = alj.adaptive(groups="module", retries=0)
+    tx = optax.chain(alj.adaptive_unscale(scaler), optax.sgd(-1.0))
+    vg = alj.adaptive_value_and_grad(loss_of(jnp.float16)[1])
+
+    @jax.jit
+    def step(state):
+        loss, grads, stats = vg(state, params, x)
+        return tx.update(grads, state, params, loss=loss, scale_stats=stats)
+
+    state = tx.init(params)
+    for _ in range(3):
+        got, state = step(state)
+        assert bool(alj.scale_state(state).last_applied)
+        for path, g, r in zip(jax.tree_util.tree_leaves_with_path(ref),
+                              jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
+            err = float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))
+            assert err < 2e-2, (jax.tree_util.keystr(path[0]), err)
 
 
 @pytest.mark.parametrize("around", [a for a in AROUND if a != "shard_map"])

@@ -132,10 +132,12 @@ class AdaptiveScale:
         at its last reader, never above its readers' rule scales once they were
         measured. A stack of layers in one scan decides a scale per layer (the
         regions inside a layer, a chain of layers, a stream every layer reads and adds
-        to). Regions whose border is not all in one scope (a point inside a scan of
-        the loss that is no stack of layers, or inside a ``shard_map`` of the loss; a
-        ``checkpoint`` body or a ``cond``'s branches are in the scope around them) and
-        the root where the loss's region is its own keep the rule's scale.
+        to), and a scan over time (an RNN) a scale per region for all its steps, at
+        the step the backward pass runs first. Regions whose border is not all in one
+        scope (a point inside a ``shard_map`` of the loss, or in a scan nested in a
+        scan over time; a ``checkpoint`` body or a ``cond``'s branches are in the
+        scope around them) and the root where the loss's region is its own keep the
+        rule's scale.
         Needs ``groups="module"`` and ``statistic="amax"``. ``False``: every scale is
         the rule's, set from the statistics of the steps before (and retried).
       retries: a step the rule would skip while it moves a scale (an overflow backed

@@ -88,12 +88,13 @@ class Program:
 
         A point's place is its position in the forward order of the top level (a
         nested ``jit``, ``checkpoint`` body or ``cond`` branch is in the scope around
-        it, the branches in order: :meth:`_checkpoint`, :meth:`_switch`); points inside
-        a scan or a ``shard_map`` of the loss have none (their backward pass runs per
-        iteration or per device), and a scan over a stack of layers orders its body's
-        points in a scope of their own. A scan of one iteration that is no stack is its
-        body run once (:meth:`_scan` evaluates it so): its points are in the scope
-        around it."""
+        it, the branches in order: :meth:`_checkpoint`, :meth:`_switch`; the sites of
+        one point in the order they are applied); points inside a ``shard_map`` of the
+        loss have none (their backward pass runs per device), and a scan over a stack
+        of layers, or over time at the top level, orders its body's points in a scope
+        of their own (those of a scan or ``shard_map`` nested in a scan over time have
+        none). A scan of one iteration that is no stack is its body run once
+        (:meth:`_scan` evaluates it so): its points are in the scope around it."""
         every = [((s.n, s.pair), s.pair, s.cfg.convert) for s in self.sites()]
         top: list = []
         params_at: list = []

@@ -21,9 +21,10 @@ backward pass can set its scale where the cotangent enters it::
                     in one scope of the recorded program (its top level with nested jits,
                     checkpoint bodies and cond branches inlined, a branch after the one
                     before it), each met once (not inside a scan or shard_map of the
-                    loss: there a point's backward pass runs per iteration or device;
-                    a scan of one iteration over no stack is its body run once, in the
-                    scope around it), the decider strictly after the rest
+                    loss: there a point's backward pass runs per iteration or device,
+                    and a scan decides as below; a scan of one iteration over no stack
+                    is its body run once, in the scope around it), the decider
+                    strictly after the rest
 
 A decider in a cond branch not taken never runs: its choice, read by every point of its
 border as a token's cotangent, is then zero, the plan, on every side (as for a module

@@ -161,6 +161,13 @@ def test_a_scan_over_time_leaves_out_a_region_with_an_entry_or_a_late_border_out
     assert live.groups == ()
     live = _live.analyse(every, [("b_in", _at(0))], [], None, recurs=[_time("b_out")])
     assert live.groups == ("b",) and live.needs == {"b_in": ("b",), "b_out": ("b",)}
+    # a parameter of e's read in b's region: its conversion is on b's border, before
+    # the scan (its token the carry's first) or after it (b kept)
+    params = [(("e",), ("b",))]
+    live = _live.analyse(every, [("b_in", _at(0))], params, _at(0), recurs=[_time("b_out")])
+    assert live.groups == ("b",) and live.needs[("params", 0)] == ("b",)
+    live = _live.analyse(every, [("b_in", _at(0))], params, _at(2), recurs=[_time("b_out")])
+    assert live.groups == ()
 
 
 def test_a_scan_over_time_carries_a_border_after_its_decider_to_the_next_step():

@@ -81,6 +81,7 @@ class Program:
         self.columns = _channel.Columns.of(scaler)
         self.reader = _jaxpr.Reader()
         self._memo: dict[int, tuple[list[Site], Any]] = {}
+        self._unread = _jaxpr.unread_outputs(closed.jaxpr)
         self.live = self._live() if scaler.same_step else _live.Live()
 
     def _live(self) -> _live.Live:
@@ -138,7 +139,7 @@ class Program:
         walk(self.closed.jaxpr, (), (), top)
         params_order = params_at[0] if len(params_at) == 1 else None
         return _live.analyse(every, top, self.param_pairs, params_order, self.plan.stacked,
-                             scans, frozenset(conds), recurs)
+                             scans, frozenset(conds), recurs, self.param_owners)
 
     def _once(self, eqn) -> bool:
         """Whether ``eqn`` is a scan of one iteration over no stack of layers (a
@@ -156,8 +157,10 @@ class Program:
         fmt = self.scaler.format
         rounds = self.scaler.simulate and n in self.rounding
         members: dict = {}
+        unread = self._unread.get(id(eqn), frozenset())
         for i, pair in enumerate(zip(pp.x, pp.y)):
-            if pair[0] is not None:  # else computed from parameters alone: passes as is
+            if pair[0] is not None and i not in unread:  # else computed from parameters
+                # alone, or read by nothing (its cotangent zero): passes as is
                 members.setdefault(pair, []).append(i)
         sites = []
         if n in self.casts:  # on the wide side of a cast: measured before it narrows,
@@ -332,13 +335,12 @@ class Program:
         limits, chosen = (live.inputs[group] if group is not None
                           else (jnp.zeros((3,), jnp.float32), jnp.zeros((), jnp.float32)))
         taken = tuple(live.tokens.pop(group, ())) if group is not None else ()
+        low, high = _channel.held_span(cfg.x_max, [x.dtype for x in xs])
         lcfg = _channel.LiveConfig(
             cfg, x_token=needs.index(x) if x in needs else None,
             y_token=needs.index(y) if y in needs else None, emits=len(needs),
             decides=group is not None, takes=len(taken),
-            target=math.log2(min(cfg.x_max, _formats.FLOAT16.max)) - sc.margin,  # (a
-            # point held wider than float16, an RNN's float32 state: its region holds the
-            # cell's float16 values too; :func:`_channel.halfway` likewise)
+            target=high - sc.margin, low=low,
             lo=math.log2(sc.min_loss_scale), hi=math.log2(sc.max_loss_scale), axes=live.axes,
             reserve=float(sc.max_rise),
             halfway=isinstance(group, tuple) or key in self.live.streams, follows=follows,
@@ -354,6 +356,9 @@ class Program:
     def _convert_params(self, ins, ratios, live=None) -> list:
         outs = list(ins)
         for i, pair in enumerate(self.param_pairs):
+            if live is not None and pair is not None and _live.single(
+                    pair[0]) in self.live.adopts:
+                continue  # (its group's scale is the fan-in's choice: as computed)
             if live is not None and (_live.PARAMS_KEY, i) in self.live.needs:
                 inf = float("inf")
                 cfg = _channel.PointConfig(_channel.Columns(False, None), convert=True,

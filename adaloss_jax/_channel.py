@@ -478,6 +478,7 @@ class LiveConfig(NamedTuple):
     decides: bool  # it chooses the x side's scale (the decider of a live region)
     takes: int = 0  # tokens the decider takes (one per point that needs its choice)
     target: float = 0.0  # log2 of the largest value the decider aims at (x_max, margin)
+    low: float = -math.inf  # log2 of the smallest subnormal its region holds (held_span)
     lo: float = -math.inf  # bounds of every scale (log2)
     hi: float = math.inf
     axes: tuple = ()  # mapped axes to agree over where the types do not say (check_vma off)
@@ -497,11 +498,12 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
     and ``s - planned``::
 
         A     = amax(cts) / 2**ly                       # over the devices that share it
-        s     = floor(target - log2 A) - headroom        # target = log2 x_max - margin
+        s     = floor(target - log2 A) - headroom        # target = high - margin
         s     = s - reserve        while prior is +inf (nothing measured inside yet):
                                    # reserve = min(ceil(log2 n), max_rise), n = the
                                    # elements of a cotangent per entry of its last axis;
-                                   # a fan-in's: halfway(cts, target)
+                                   # a fan-in's: halfway(low, target)
+                                   # (low, high: held_span)
         s     = min(s, prior)      # prior: the rule's scale (+inf until the group was
                                    # measured or overflowed)
         s     = planned where A is 0 or not finite       (nothing to measure by: the
@@ -531,7 +533,7 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
         amax = jax.lax.pmax(amax, axes)
     reserve = min(first_reserve(cts), cfg.reserve)
     if cfg.halfway:
-        reserve = halfway(cts, cfg.target)
+        reserve = halfway(cfg.low, cfg.target)
 
     def measured(limits):
         headroom, prior, planned = limits[0], limits[1], limits[2]
@@ -547,22 +549,28 @@ def decide(amax: jax.Array, cts: tuple, ly, limits: jax.Array, cfg: LiveConfig,
     return jax.lax.cond((amax > 0) & (amax < jnp.inf), measured, unmeasured, limits)
 
 
-def halfway(cts: tuple, target: float) -> float:
-    """A fan-in's first reserve: half the binades between ``target`` and the smallest
-    subnormal of the dtype its cotangents are held in (static). A residual stream's
-    cotangent grows below its decider by an amount nothing has measured yet (each
-    reader's branch adds to it, a block's gain multiplies it); with its largest value
-    halfway down, it may grow by half the dtype's span before it overflows, and only
-    values smaller by more than that flush.
+def held_span(x_max: float, dtypes) -> tuple[float, float]:
+    """``(low, high)``: log2 of the smallest subnormal and of the largest value a live
+    region's decider counts its region as holding (static): the largest value where
+    its point holds the cotangent (``x_max``: the format's, where it rounds to it), and
+    the smallest subnormal of the ``dtypes`` its cotangents arrive in. A span wider than
+    float16's counts as float16's: the region holds values in a narrow dtype too, which
+    a scale aimed at float32's largest value would overflow, or one put halfway down
+    its span would flush (an RNN's state carried in float32 through a cell computing in
+    float16)."""
+    low = min(math.log2(float(jnp.finfo(d).smallest_subnormal)) for d in dtypes)
+    return (max(low, math.log2(_formats.FLOAT16.min_subnormal)),
+            math.log2(min(x_max, _formats.FLOAT16.max)))
 
-    A dtype wider than float16 counts as float16: the region holds values in a narrow
-    dtype too, where a scale put halfway down float32's span (82 binades) would flush
-    them (an RNN's state carried in float32 through a cell computing in float16)."""
-    low = min(math.log2(float(jnp.finfo(c.dtype).smallest_subnormal)) for c in cts)
-    return float(math.floor((target - max(low, _FLOAT16_LOW)) / 2))
 
-
-_FLOAT16_LOW = math.log2(_formats.FLOAT16.min_subnormal)  # (-24)
+def halfway(low: float, target: float) -> float:
+    """A fan-in's first reserve: half the binades between ``target`` and ``low``, the
+    smallest subnormal its region holds (:func:`held_span`; static). A residual
+    stream's cotangent grows below its decider by an amount nothing has measured yet
+    (each reader's branch adds to it, a block's gain multiplies it); with its largest
+    value halfway down, it may grow by half the span before it overflows, and only
+    values smaller by more than that flush."""
+    return float(math.floor((target - low) / 2))
 
 
 def first_reserve(cts: tuple) -> float:

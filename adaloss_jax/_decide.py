@@ -97,6 +97,11 @@ def measured(state: AdaptiveScaleState, stats: ScaleStats, p_amax, loss,
         return jnp.full(shape, fill, dtype).at[..., idx].set(v.array.astype(dtype))
 
     active = jnp.zeros((ng,), jnp.bool_).at[idx].set(True)
+    adopted = jnp.zeros((ng,), jnp.bool_) if stats.adopted is None else full(
+        stats.adopted, False, jnp.bool_)  # (its gradients: at a fan-in's choice)
+    own = None
+    if stats.own is not None:  # its rows', or its parameter gradients' (not adopted)
+        own = (full(stats.own, False, jnp.bool_) | (p_amax > 0)) & ~adopted
     p_amax = over_devices(p_amax, jax.lax.pmax, axis_name)
     p_nonfinite = ~(p_amax < jnp.inf)
     amax = over_devices(jnp.maximum(full(stats.amax, 0.0, jnp.float32), p_amax), jax.lax.pmax,
@@ -123,9 +128,8 @@ def measured(state: AdaptiveScaleState, stats: ScaleStats, p_amax, loss,
             axis_name) > 0,
         lost_amax=None if stats.lost_amax is None else over_devices(
             full(stats.lost_amax, -jnp.inf, jnp.float32), jax.lax.pmax, axis_name),
-        own=None if stats.own is None else over_devices(
-            (full(stats.own, False, jnp.bool_) | (p_amax > 0)).astype(jnp.int32),
-            jax.lax.pmax, axis_name) > 0)
+        own=None if own is None else over_devices(own.astype(jnp.int32), jax.lax.pmax,
+                                                  axis_name) > 0)
 
 
 def bound(axis_name: str | None) -> str | None:

@@ -301,14 +301,28 @@ def adaptive_value_and_grad(
                                                         dummies, chosen)
             grads = jax.tree_util.tree_unflatten(treedef, g_values)
             actual = used
-            if live:  # the scales the live regions chose, each from its own cotangent
-                # (returned as their difference from the plan: a decider never reached
-                # leaves its region at the plan)
-                actual = GroupVector(groups, [prior.log2_scales[g] + chosen[0][g]
-                                              if g in chosen[0] else used[g] for g in groups],
-                                     split=True)
-            return value, grads, program.decode(rows, actual, planned=used,
-                                                moved=dict(zip(fanins, chosen[1])))
+            moved = dict(zip(fanins, chosen[1]))
+            adopts = program.live.adopts if fanins else {}
+            if live or adopts:  # the scales the live regions chose, each from its own
+                # cotangent (returned as their difference from the plan: a decider never
+                # reached leaves its region at the plan), and those a group adopts from
+                # the fan-in its parameters are read in (its plan: the min of its
+                # anchors')
+                def scale(g):
+                    if g in chosen[0]:
+                        return prior.log2_scales[g] + chosen[0][g]
+                    if g in adopts:
+                        f = adopts[g]
+                        return jnp.min(jnp.stack([prior.log2_scales[a] for a in f])
+                                       ) + moved[f]
+                    return used[g]
+
+                actual = GroupVector(groups, [scale(g) for g in groups], split=True)
+            stats = program.decode(rows, actual, planned=used, moved=moved)
+            if adopts:
+                stats = dataclasses.replace(stats, adopted=GroupVector(
+                    groups, jnp.asarray([g in adopts for g in groups])))
+            return value, grads, stats
 
         if scaler.same_step and not program.live.any and len(groups) > 1:
             _common.notice_once("same-step-none", SAME_STEP_NONE)

@@ -78,6 +78,30 @@ def subprograms(eqn) -> list[Sub]:
     return out
 
 
+def unread_outputs(jaxpr) -> dict[int, frozenset[int]]:
+    """Per point equation anywhere in ``jaxpr`` (by ``id``), its outputs that nothing in
+    their scope reads, neither an equation nor the scope's results: their cotangent is
+    zero by construction, not a value that flushed (a module that reads only its input's
+    shape, as Flax's ``DenseParams`` inside ``OptimizedLSTMCell``)."""
+    out: dict[int, frozenset[int]] = {}
+
+    def walk(j) -> None:
+        read = {v for e in j.eqns for v in e.invars if isinstance(v, jcore.Var)}
+        read |= {v for v in j.outvars if isinstance(v, jcore.Var)}
+        for e in j.eqns:
+            if point_number(e) is not None:
+                unread = frozenset(i for i, v in enumerate(e.outvars)
+                                   if isinstance(v, jcore.DropVar) or v not in read)
+                if unread:
+                    out[id(e)] = unread
+                continue
+            for sub in subprograms(e):
+                walk(sub.jaxpr)
+
+    walk(jaxpr)
+    return out
+
+
 class Reader:
     """Classifies equations (:func:`kind`), remembering which sub-jaxprs hold points."""
 

@@ -166,6 +166,9 @@ class Live(NamedTuple):
         (:class:`Recur`), the live regions deciding in its body (their deciders carry
         their choice from iteration to iteration) and those deciding after it that its
         body's points need (a token per iteration, stacked out of the scan).
+      adopts: ``{group: fan-in}``: a group with no region of its own whose parameters
+        are all read in one live fan-in (:func:`_adoptions`): its scale is the fan-in's
+        choice, and its parameters' gradients are not converted.
     """
 
     groups: tuple[str, ...] = ()
@@ -179,6 +182,7 @@ class Live(NamedTuple):
     ways_in: dict = {}
     opens: dict = {}
     recurs: dict = {}
+    adopts: dict = {}
 
     @property
     def any(self) -> bool:
@@ -352,7 +356,7 @@ def _only_ways_in(scan: Scan, every: Sequence[tuple], params: Sequence, order: d
 def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             params_order: float, stacked: frozenset = frozenset(),
             scans: Sequence[Scan] = (), conds: frozenset = frozenset(),
-            recurs: Sequence[Recur] = ()) -> Live:
+            recurs: Sequence[Recur] = (), owners: Sequence[str] = ()) -> Live:
     """The live regions.
 
     Args:
@@ -372,6 +376,8 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
         branches' sites at ``position + (branch, ...)``): a region whose last entry is in
         a branch decides in the others too (:func:`_branch_deciders`).
       recurs: the scans over time met at the top level (:func:`_over_time`).
+      owners: the group of each floating parameter leaf (none: no group adopts a
+        fan-in's choice, :func:`_adoptions`).
     """
     order = dict(top)
     counts = Counter(key for key, _, _ in every)
@@ -492,9 +498,32 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
     slots = [g for by_name in layers.values() for group in by_name.values() for g in group]
     fanins = sorted(g for g in [*live, *slots, *inside_time] if isinstance(g, tuple))
     groups = [g for g in [*live, *slots, *inside_time] if not isinstance(g, tuple)]
+    adopts = _adoptions(every, params, owners, set(fanins), set(groups) | stacked)
+    for i, pair in enumerate(params):  # (no conversion: no token)
+        if pair and single(pair[0]) in adopts:
+            needs.pop((PARAMS_KEY, i), None)
     return Live(tuple(sorted(groups)), deciders, needs, chains, layers, names,
                 tuple(fanins), frozenset(st.chain.decider for _, st, _ in streams.values()),
-                ways, opens, recurring)
+                ways, opens, recurring, adopts)
+
+
+def _adoptions(every: Sequence[tuple], params: Sequence, owners: Sequence[str],
+               fanins: set, taken: set) -> dict:
+    """``{group: fan-in}``: the groups whose scale is a live fan-in's choice. Such a
+    group has no region of its own (no side of a point is it alone; not the root, not
+    live, no stack's) and each of its parameter leaves is read in the same live fan-in
+    and nowhere else: its gradients are computed at the fan-in's scale, so its scale is
+    that, and nothing converts them. (A module returning raw parameters that its
+    parent reads, as Flax's ``DenseParams`` in ``OptimizedLSTMCell``: converted down to
+    the plan instead, a step's gradients at a scale the rule had not measured yet could
+    flush.)"""
+    alone = {single(side) for _, pair, _ in every for side in pair} - {None}
+    read: dict = {}
+    for owner, pair in zip(owners, params):
+        f = fan_in(pair[1]) if pair and pair[0] == (owner,) else None
+        read.setdefault(owner, set()).add(f if f in fanins else None)
+    return {g: f for g, (f, *more) in ((g, sorted(fs, key=repr)) for g, fs in read.items())
+            if f is not None and not more and g != ROOT and g not in alone | taken}
 
 
 def _over_time(r: Recur, every: Sequence[tuple], order: dict, counts: Counter,

@@ -210,6 +210,12 @@ class ScaleStats:
         (``stop_gradient``, a frozen branch) though its input is such a fan-in, or for
         the root of a float32 model simulating fp8. The rule does not refuse a step as
         computed below the scale of a group that measured nothing of its own.
+      adopted: per group, whether its scale was a live fan-in's choice (a group with no
+        region of its own, its parameters read only in that fan-in: their gradients
+        computed at the choice). Nothing was computed at a scale of its own: the rows of
+        other fan-ins it anchors ran at their scales, set by its planned one, and the rule
+        counts it as measuring nothing of its own (:attr:`own`); ``None`` where no group
+        adopted one.
       verdict: where the gradient function may retry a step (``AdaptiveScale.retries``):
         the rule's next state for the pass these statistics are of (its array fields
         but ``total_retries``) and ``retries``, the passes taken again; the optimizer
@@ -247,6 +253,7 @@ class ScaleStats:
     starved: GroupVector | None = None
     lost_amax: GroupVector | None = None
     own: GroupVector | None = None
+    adopted: GroupVector | None = None
     verdict: dict | None = None
     grad_amax: jax.Array | None = None
     fingerprint: str = _static(default="")
@@ -257,7 +264,8 @@ class ScaleStats:
 jax.tree_util.register_dataclass(
     ScaleStats,
     data_fields=["log2_scales", "amax", "bad", "nonfinite", "sumsq", "count", "hist",
-                 "flushed", "starved", "lost_amax", "own", "verdict", "grad_amax"],
+                 "flushed", "starved", "lost_amax", "own", "adopted", "verdict",
+                 "grad_amax"],
     meta_fields=["fingerprint", "origin", "handed"],
 )
 

@@ -192,6 +192,76 @@ def test_a_fan_in_decides_at_its_last_entry_and_its_other_exits_get_tokens():
     assert live.needs == {"q_in": (("k", "q"), "q"), "k_in": ("k",)}
 
 
+def test_a_group_whose_parameters_are_read_only_in_a_live_fan_in_adopts_its_choice():
+    # a and b return raw parameters (Flax's DenseParams) that their parent reads where
+    # their input is read: the fan-in (a, b), deciding at h's input. Neither has a
+    # region of its own: each adopts the fan-in's choice, and its parameters'
+    # conversions go (no token). h's parameter is read in h's own region.
+    every = [_site("d_out", ("d",), ("a", "b")), _site("h_in", ("a", "b"), ("h",)),
+             _site("h_out", ("h",), ("",))]
+    top = _top("d_out", "h_in", "h_out")
+    params = [(("a",), ("a", "b")), (("b",), ("a", "b")), (("b",), ("a", "b")), None]
+    owners = ["a", "b", "b", "h"]
+    live = _live.analyse(every, top, params, _at(0), owners=owners)
+    assert live.fanins == (("a", "b"),) and live.deciders["h_in"] == ("a", "b")
+    assert live.adopts == {"a": ("a", "b"), "b": ("a", "b")}
+    assert not any(k[0] == "params" for k in live.needs)
+    assert _live.analyse(every, top, params, _at(0)).adopts == {}  # (no owners given)
+    # Not adopted: a group with a side of its own; one with a leaf read elsewhere (or
+    # at its own scale, or nowhere: no conversion); the root; a fan-in that keeps the
+    # plan (its entry met twice).
+    alone = _live.analyse([*every, _site("a_x", ("a",), ("a", "b"))],
+                          _top("d_out", "a_x", "h_in", "h_out"), params, _at(0),
+                          owners=owners)
+    assert ("a", "b") in alone.fanins and alone.adopts == {"b": ("a", "b")}
+    inner = _live.analyse([*every, _site("a_in", ("a",), ("a",))], top, params, _at(0),
+                          owners=owners)  # (a point inside a's region: a not live)
+    assert "a" not in inner.groups and inner.adopts == {"b": ("a", "b")}
+    for leaf in [(("b",), ("h",)), None]:
+        mixed = _live.analyse(every, top, params[:2] + [leaf, None], _at(0), owners=owners)
+        assert mixed.adopts == {"a": ("a", "b")}
+    root = _live.analyse(every, top, [(("",), ("a", "b"))] + params[1:], _at(0),
+                         owners=[""] + owners[1:])
+    assert root.adopts == {"b": ("a", "b")}
+    twice = _live.analyse(every + every[1:2], top, params, _at(0), owners=owners)
+    assert ("a", "b") not in twice.fanins and twice.adopts == {}
+
+
+def test_a_point_that_nothing_reads_is_no_site():
+    """A point's output that no equation of its scope reads, nor the scope returns (a
+    module reading its input's shape only), has a cotangent of zeros by construction:
+    :func:`_jaxpr.unread_outputs` finds it, in a scan's body too, and the program
+    gives it no site (no row counts it as a cotangent that arrived as zeros)."""
+    from adaloss_jax import _jaxpr
+
+    def point(n):
+        def f(*v):
+            return v
+        f.__name__ = f"{_jaxpr.POINT_PREFIX}{n}"
+        return jax.jit(f)
+
+    def fn(x):
+        a, unread = point(0)(x, x)
+        def body(c, _):
+            (_u,), (r,) = point(1)(c), point(2)(c)
+            return r * 2.0, None
+        return jax.lax.scan(body, a, None, length=2)[0]
+
+    closed = jax.make_jaxpr(fn)(jnp.ones(3))
+    found = _jaxpr.unread_outputs(closed.jaxpr)
+    names = {}
+
+    def walk(j):
+        for e in j.eqns:
+            if _jaxpr.point_number(e) is not None:
+                names[id(e)] = _jaxpr.point_number(e)
+            for sub in _jaxpr.subprograms(e):
+                walk(sub.jaxpr)
+
+    walk(closed.jaxpr)
+    assert {names[i]: set(v) for i, v in found.items()} == {0: {1}, 1: {0}}
+
+
 def test_a_fan_ins_limits_combine_its_anchors_and_read_its_plan():
     """``[headroom, prior, planned]``: the most headroom any anchor learned, the lowest
     rule scale of those measured or overflowed (+inf while none is), and the planned
@@ -1356,10 +1426,23 @@ def test_a_scan_of_one_layer_runs_its_body_once_and_decides_as_its_unrolled_twin
     assert "block_0/attn/qkv" in live[True][0] and live[True][1]
 
 
+def _classified(model, x):
+    """``model``'s parameters for ``x``, and the cross-entropy of its four logits per
+    example (``x``: four examples) against the labels 0-3."""
+    labels = jnp.asarray([0, 1, 2, 3])
+    params = model.init(jax.random.key(0), x)["params"]
+
+    def loss(p, x, y=None):
+        logits = model.apply({"params": p}, x).astype(jnp.float32)
+        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+
+    return params, loss
+
+
 class _Recurrent(nn.Module):
     """A Dense per time step, Flax's ``nn.RNN`` over time (a GRU cell under
-    ``nn.remat``, or an LSTM cell, whose carry is a pair), a Dense head on the last
-    step."""
+    ``nn.remat``, or an LSTM cell, whose carry is a pair, or an ``OptimizedLSTMCell``,
+    ``olstm``, whose gates are ``DenseParams``), a Dense head on the last step."""
 
     cell: str
     reverse: bool = False
@@ -1370,6 +1453,7 @@ class _Recurrent(nn.Module):
     def __call__(self, x):
         x = nn.Dense(8, dtype=self.dtype)(x)
         cell = (nn.remat(nn.GRUCell)(8, dtype=self.dtype) if self.cell == "gru"
+                else nn.OptimizedLSTMCell(8, dtype=self.dtype) if self.cell == "olstm"
                 else nn.LSTMCell(8, dtype=self.dtype))
         h = nn.RNN(cell, reverse=self.reverse, keep_order=True)(x)
         return nn.Dense(4, dtype=self.dtype)(
@@ -1390,15 +1474,8 @@ def test_an_rnn_over_time_decides_in_its_scan_and_stays_exact(cell, steps, rever
     scale whatever the prior, and the gradients are fp32's under any prior, a
     checkpoint in the scan's body included, read backwards over time too, and with the
     head reading every step. Over one step the scan is its body run once."""
-    model = _Recurrent(cell, reverse, every_step)
     x = jax.random.normal(jax.random.key(1), (4, steps, 3))
-    labels = jnp.asarray([0, 1, 2, 3])
-    params = model.init(jax.random.key(0), x)["params"]
-
-    def loss(p, x, y=None):
-        logits = model.apply({"params": p}, x).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
-
+    params, loss = _classified(_Recurrent(cell, reverse, every_step), x)
     _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (x,), {})
     groups = alj.param_groups(params, SAME_STEP)
     cell_groups = {g for g in groups if "Cell" in g}
@@ -1421,14 +1498,61 @@ def test_an_rnn_over_time_decides_in_its_scan_and_stays_exact(cell, steps, rever
         assert chose[0][g] == chose[1][g], g
 
 
-@pytest.mark.parametrize("cell", ["gru", "lstm"])
+class _RawParams(nn.Module):
+    """Two Flax ``DenseParams`` (modules that return their raw kernels, reading their
+    input's shape only) whose kernels the parent reads where it reads their input."""
+
+    @nn.compact
+    def __call__(self, x):
+        from flax.linen.recurrent import DenseParams
+
+        x = nn.Dense(8)(x)
+        ka, _ = DenseParams(8, use_bias=False, name="a")(x)
+        kb, bb = DenseParams(8, name="b")(x)
+        return nn.Dense(4)(jnp.tanh(x @ ka) + x @ kb + bb)
+
+
+@pytest.mark.parametrize("model", ["raw", "olstm"])
+def test_groups_whose_parameters_are_read_in_a_fan_in_adopt_its_choice_exactly(model):
+    """Modules that return their raw parameters to a parent reading them where it reads
+    their input (``DenseParams``; an ``OptimizedLSTMCell``'s eight gates, in a scan
+    over time): their groups have no region of their own, and adopt the choice of the
+    fan-in their parameters are read in. Each such group's scale is that choice, the
+    same whatever the prior (from the cotangent in hand), and the gradients are fp32's
+    under any prior."""
+    if model == "raw":
+        net, x = _RawParams(), jax.random.normal(jax.random.key(1), (4, 3))
+    else:
+        net, x = _Recurrent("olstm"), jax.random.normal(jax.random.key(1), (4, 5, 3))
+    params, loss = _classified(net, x)
+    _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (x,), {})
+    gates = {g for g in alj.param_groups(params, SAME_STEP)
+             if g in ("a", "b") or "Cell" in g}
+    assert len(gates) == (2 if model == "raw" else 8)
+    assert set(program.live.adopts) == gates
+    (fanin,) = set(program.live.adopts.values())
+    assert fanin in program.live.fanins and not gates & set(program.live.groups)
+    chose = []
+    for seed in (5, 6):
+        step, state = _exact_under_random_priors(loss, params, (x,), seed, -6, 12)
+        _, _, stats = step(state, params, x, _Y)
+        chose.append({g: float(stats.log2_scales[g]) for g in gates})
+        assert len(set(chose[-1].values())) == 1  # one choice, the fan-in's
+        assert bool(np.all(np.asarray(stats.adopted.array) == np.asarray(
+            [g in gates for g in stats.adopted.names])))
+    assert chose[0] == chose[1]
+
+
+@pytest.mark.parametrize("cell", ["gru", "lstm", "olstm"])
 def test_an_rnn_computing_in_float16_gets_float32s_gradients(cell):
     """The RNN computing in float16, its state carried in float32 (Flax's default carry
     dtype), the loss x 2^-12: from the default initial scale, every step's unscaled
     gradients are the float32 model's to float16's precision, none flushed to zeros.
     (A fan-in deciding at a float32 point put its cotangent halfway down float32's span
     at first, and the cell's float16 values flushed: every gradient but the head's was
-    zero.)"""
+    zero.) No group is starved: an ``OptimizedLSTMCell``'s gates read their input's
+    shape only, and the point on it, read by nothing, gets no row (counted, its zeros
+    starved the gates every step)."""
     x = jax.random.normal(jax.random.key(1), (16, 6, 3))
     labels = jnp.arange(16) % 4
 
@@ -1451,12 +1575,13 @@ def test_an_rnn_computing_in_float16_gets_float32s_gradients(cell):
     @jax.jit
     def step(state):
         loss, grads, stats = vg(state, params, x)
-        return tx.update(grads, state, params, loss=loss, scale_stats=stats)
+        return *tx.update(grads, state, params, loss=loss, scale_stats=stats), stats
 
     state = tx.init(params)
     for _ in range(3):
-        got, state = step(state)
+        got, state, stats = step(state)
         assert bool(alj.scale_state(state).last_applied)
+        assert not np.any(np.asarray(stats.starved.array))
         for path, g, r in zip(jax.tree_util.tree_leaves_with_path(ref),
                               jax.tree_util.tree_leaves(got), jax.tree_util.tree_leaves(ref)):
             err = float(jnp.linalg.norm(g - r) / jnp.linalg.norm(r))

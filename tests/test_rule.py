@@ -3,6 +3,7 @@ line of its pseudo-code, with no model and no backward pass."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 
@@ -158,6 +159,12 @@ def test_a_group_measures_something_of_its_own_in_its_parameter_gradients_too():
                        jnp.asarray(False), own=vec([True, False, False], jnp.bool_))
     m = _decide.measured(state, stats, jnp.asarray([0.0, 0.5, 0.0]), jnp.float32(1.0), None)
     assert list(np.asarray(m.own)) == [True, True, False]
+    # A group that adopted a live fan-in's choice computed its parameter gradients at
+    # that choice, and the rows it anchors at other scales: nothing at its own.
+    adopted = dataclasses.replace(stats, adopted=vec([True, True, False], jnp.bool_))
+    m = _decide.measured(state, adopted, jnp.asarray([0.0, 0.5, 0.5]), jnp.float32(1.0),
+                         None)
+    assert list(np.asarray(m.own)) == [False, False, True]
 
 
 def test_learned_headroom_is_given_back_on_applied_steps():

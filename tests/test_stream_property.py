@@ -28,7 +28,7 @@ pytestmark = pytest.mark.slow  # the full suite only (CI)
 
 W, V, T, B = 8, 16, 6, 4
 OPS = ("dense", "reuse", "residual", "concat", "cross", "scan", "remat", "dict", "bn", "nest",
-       "shifted", "rnn", "fori", "cond", "cond-else", "stopped")
+       "shifted", "rnn", "olstm", "fori", "cond", "cond-else", "stopped")
 
 
 class Shared(nn.Module):
@@ -117,6 +117,18 @@ class Recurrent(nn.Module):
     @nn.compact
     def __call__(self, x):
         return x + nn.RNN(nn.remat(nn.GRUCell)(W, dtype=self.dtype))(x).astype(x.dtype)
+
+
+class FastRecurrent(nn.Module):
+    """Flax's ``nn.RNN`` of an ``OptimizedLSTMCell``: its gates are ``DenseParams``,
+    modules that return their raw parameters (reading their input's shape only), which
+    the cell reads in one fan-in region."""
+
+    dtype: object
+
+    @nn.compact
+    def __call__(self, x):
+        return x + nn.RNN(nn.OptimizedLSTMCell(W, dtype=self.dtype))(x).astype(x.dtype)
 
 
 class Looped(nn.Module):
@@ -216,6 +228,8 @@ class RandomNet(nn.Module):
                 x = Shifted(dt)(x)
             elif op == "rnn":
                 x = Recurrent(dt)(x)
+            elif op == "olstm":
+                x = FastRecurrent(dt)(x)
             elif op == "fori":
                 x = Looped(dt)(x)
             elif op in ("cond", "cond-else"):

@@ -193,8 +193,8 @@ MUTATIONS = {
         "float16 at the first choice, and step 0 is skipped"),
     "fan-in-choice-not-decoded": (
         "adaloss_jax/_grad.py",
-        "                                                moved=dict(zip(fanins, chosen[1])))",
-        "                                                moved=None)",
+        "            stats = program.decode(rows, actual, planned=used, moved=moved)",
+        "            stats = program.decode(rows, actual, planned=used, moved=None)",
         ["tests/test_live.py", "tests/test_live_warmup.py", "tests/test_channel.py"],
         "the statistics read a live fan-in's rows at its planned scale, not its choice"),
     "fan-in-prior-ignored": (
@@ -599,11 +599,55 @@ MUTATIONS = {
         "a live fan-in's rows count as its anchors' own"),
     "own-params-ignored": (
         "adaloss_jax/_decide.py",
-        "            (full(stats.own, False, jnp.bool_) | (p_amax > 0)).astype(jnp.int32),",
-        "            full(stats.own, False, jnp.bool_).astype(jnp.int32),",
+        "        own = (full(stats.own, False, jnp.bool_) | (p_amax > 0)) & ~adopted",
+        "        own = full(stats.own, False, jnp.bool_) & ~adopted",
         ["tests/test_rule.py"],
         "a group whose parameter gradients measured something, but none of its rows, is "
         "not checked against max_rise"),
+    "adopted-counts-own": (
+        "adaloss_jax/_decide.py",
+        "        own = (full(stats.own, False, jnp.bool_) | (p_amax > 0)) & ~adopted",
+        "        own = full(stats.own, False, jnp.bool_) | (p_amax > 0)",
+        ["tests/test_rule.py", "tests/test_live_warmup.py"],
+        "a group that adopted a fan-in's choice refuses a step as computed below its scale"),
+    "adoption-none": (
+        "adaloss_jax/_live.py",
+        "            if f is not None and not more and g != ROOT and g not in alone | taken}",
+        "            if False}",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "no group adopts a fan-in's choice: an OptimizedLSTMCell's gates keep the plan"),
+    "adoption-ignores-alone": (
+        "adaloss_jax/_live.py",
+        "            if f is not None and not more and g != ROOT and g not in alone | taken}",
+        "            if f is not None and not more and g != ROOT and g not in taken}",
+        ["tests/test_live.py"],
+        "a group with a region of its own adopts a fan-in's choice"),
+    "adoption-ignores-other-leaves": (
+        "adaloss_jax/_live.py",
+        "            if f is not None and not more and g != ROOT and g not in alone | taken}",
+        "            if f is not None and g != ROOT and g not in alone | taken}",
+        ["tests/test_live.py"],
+        "a group with a parameter read elsewhere adopts a fan-in's choice"),
+    "adopted-params-converted": (
+        "adaloss_jax/_apply.py",
+        "                continue  # (its group's scale is the fan-in's choice: as computed)",
+        "                pass",
+        ["tests/test_live.py"],
+        "an adopting group's parameter gradients convert to its planned scale (with no "
+        "token: the plan's ratio)"),
+    "adopted-scale-is-plan": (
+        "adaloss_jax/_grad.py",
+        "                    if g in adopts:",
+        "                    if False:",
+        ["tests/test_live.py"],
+        "an adopting group is unscaled by its planned scale, not the fan-in's choice"),
+    "unread-points-kept": (
+        "adaloss_jax/_apply.py",
+        "            if pair[0] is not None and i not in unread:  # else computed from parameters",
+        "            if pair[0] is not None:  # else computed from parameters",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a point that nothing reads gets a site: its zeros count as a cotangent that "
+        "arrived as zeros (the fan-in's groups starved every step)"),
     "own-counts-float32": (
         "adaloss_jax/_channel.py",
         "            e_own.append(i in own and lim < _WIDE)",
@@ -657,11 +701,18 @@ MUTATIONS = {
         "scan"),
     "halfway-float32-span": (
         "adaloss_jax/_channel.py",
-        "    return float(math.floor((target - max(low, _FLOAT16_LOW)) / 2))",
-        "    return float(math.floor((target - low) / 2))",
+        "    return (max(low, math.log2(_formats.FLOAT16.min_subnormal)),",
+        "    return (low,",
         ["tests/test_live.py"],
         "a fan-in deciding at a float32 point puts its cotangent halfway down float32's "
         "span, where its region's float16 values flush"),
+    "held-span-float32-max": (
+        "adaloss_jax/_channel.py",
+        "            math.log2(min(x_max, _formats.FLOAT16.max)))",
+        "            math.log2(x_max))",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a decider at a float32 point aims at float32's largest value, which its "
+        "region's float16 values overflow"),
     "time-scans-unrecorded": (
         "adaloss_jax/_apply.py",
         "                elif kind == _jaxpr.SCAN and scope == ():  # a scan over time",

@@ -306,15 +306,12 @@ def adaptive_value_and_grad(
             if live or adopts:  # the scales the live regions chose, each from its own
                 # cotangent (returned as their difference from the plan: a decider never
                 # reached leaves its region at the plan), and those a group adopts from
-                # the fan-in its parameters are read in (its plan: the min of its
-                # anchors')
+                # the fan-in its parameters are read in (its plan ``sigma``, moved)
                 def scale(g):
                     if g in chosen[0]:
                         return prior.log2_scales[g] + chosen[0][g]
                     if g in adopts:
-                        f = adopts[g]
-                        return jnp.min(jnp.stack([prior.log2_scales[a] for a in f])
-                                       ) + moved[f]
+                        return sigma[adopts[g]] + moved[adopts[g]]
                     return used[g]
 
                 actual = GroupVector(groups, [scale(g) for g in groups], split=True)

@@ -1588,16 +1588,21 @@ def test_an_rnn_computing_in_float16_gets_float32s_gradients(cell):
             assert err < 2e-2, (jax.tree_util.keystr(path[0]), err)
 
 
-@pytest.mark.parametrize("around", [a for a in AROUND if a != "shard_map"])
-def test_an_rnn_under_a_transformation_around_the_model_stays_exact(around):
+@pytest.mark.parametrize("cell,around", [
+    *(("gru", a) for a in AROUND if a != "shard_map"),
+    *(("olstm", a) if a in ("vmap", "remat") else pytest.param(
+        "olstm", a, marks=pytest.mark.slow) for a in AROUND if a != "shard_map")])
+def test_an_rnn_under_a_transformation_around_the_model_stays_exact(cell, around):
     """The GRU over time with ``vmap`` (per example), ``checkpoint``, ``jit``, ``cond`` or
     ``shard_map`` around the whole model: its regions decide as without, each the same
     whatever the prior, and the gradients are fp32's under any prior. Inside a
     ``shard_map`` of the loss nothing decides; under the ``cond`` the model runs in
     both branches, two scans over time sharing the cell, whose regions keep the plan
     (Dense layers decide in each branch). (Flax's ``nn.RNN`` cannot be traced inside a
-    ``shard_map`` that checks types: its zero initial carry is not typed as varying.)"""
-    model = _Recurrent("gru")
+    ``shard_map`` that checks types: its zero initial carry is not typed as varying.)
+    Likewise an ``OptimizedLSTMCell``, whose gates adopt the choice of the fan-in their
+    kernels are read in wherever that fan-in decides, and nowhere else."""
+    model = _Recurrent(cell)
     x = jax.random.normal(jax.random.key(1), (4, 5, 3))
     labels = jnp.asarray([0, 1, 2, 3])
     params = model.init(jax.random.key(0), x)["params"]
@@ -1609,14 +1614,18 @@ def test_an_rnn_under_a_transformation_around_the_model_stays_exact(around):
 
     _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (x,), {})
     groups = set(alj.param_groups(params, SAME_STEP))
+    gates = {g for g in groups if cell == "olstm" and "Cell" in g}
+    plain = not around.startswith("shard_map") and around != "cond"
     assert set(program.live.groups) == (
         set() if around.startswith("shard_map") else {"Dense_0", "Dense_1"}
-        if around == "cond" else groups - {""})
+        if around == "cond" else groups - {""} - gates)
+    assert set(program.live.adopts) == (gates if plain else set())
     chose = []
     for seed in (3, 4):
         step, state = _exact_under_random_priors(loss, params, (x,), seed, -6, 12)
         _, _, stats = step(state, params, x, _Y)
-        chose.append({g: float(stats.log2_scales[g]) for g in program.live.groups})
+        chose.append({g: float(stats.log2_scales[g])
+                      for g in {*program.live.groups, *program.live.adopts}})
     assert chose[0] == chose[1]
 
 

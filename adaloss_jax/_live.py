@@ -38,10 +38,13 @@ So a module called twice is decided at its second call, whose backward pass runs
 the first call's cotangent enters at that scale (an overflow there backs off as any).
 
 A fan-in (a value read by several modules: a residual stream, one input of q, k and v;
-anchors of several whole groups, :func:`fan_in`) is live by the same rule, known by its
-anchor set: it decides at its last entry in the forward order (a residual stream at its
-last reader, the head or the block above), from the cotangent arriving there, and the
-other readers' exits into it convert at that choice. Its limits combine its anchors'
+anchors of several groups, each a whole group or one layer's slot of a stack read at a
+point outside its scan, :func:`fan_in`) is live by the same rule, known by its anchor
+set (not where that set is itself one layer's part of anchors that vary by layer, or a
+whole stacked group or one met per layer reads it: its border lies in a scan's body):
+it decides at its last entry in the forward order (a residual stream at its last
+reader, the head or the block above), from the cotangent arriving there, and the other
+readers' exits into it convert at that choice. Its limits combine its anchors'
 (``adaloss_jax._grad._limits``): until they were measured it chooses from the
 cotangent in hand alone, which it puts halfway down the span of the dtype it is held in
 (:func:`adaloss_jax._channel.halfway`: its growth below the decider is unmeasured);
@@ -240,11 +243,18 @@ def single(anchors) -> str | None:
 
 def fan_in(anchors) -> tuple | None:
     """A fan-in's anchor set as its own live key: plain anchors of several groups, each
-    a whole group (no stack's slot), else ``None``."""
+    a whole group or one layer's slot of a stack (a value read by a stack's layer at a
+    point outside its scan: a residual stream that enters a scanned stack), else
+    ``None``."""
     if (isinstance(anchors, tuple) and not isinstance(anchors, Steps) and len(anchors) > 1
-            and all(type(g) is str for g in anchors)):
+            and all(type(g) is str or _slot(g) for g in anchors)):
         return anchors
     return None
+
+
+def _slot(g) -> bool:
+    """Whether ``g`` is one layer's slot of a stacked group (not a body's symbol)."""
+    return isinstance(g, Layer) and g.index is not None
 
 
 def region_key(anchors, fanins: bool = True):
@@ -598,8 +608,10 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
     entries: dict[str, list] = {g: list(keys) for g, keys in (opened or {}).items()}
     border: dict[str, list] = {g: list(keys) for g, keys in extra.items()}
     unfit: set[str] = set()  # met per layer
+    parts: set = set()  # the anchor sets met as a layer's part of per-layer anchors
     for key, (x, y), convert in every:
         unfit.update(_per_layer(x) + _per_layer(y))
+        parts.update(a for side in (x, y) if isinstance(side, Steps) for a in side)
         if not convert:
             continue
         gx, gy = key_of(x), key_of(y)
@@ -615,6 +627,7 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
             if g is not None:
                 border.setdefault(g, []).append((PARAMS_KEY, i))
             unfit.update(_per_layer(side))
+            parts.update(side if isinstance(side, Steps) else ())
     live: dict[str, tuple] = {}
     branch: dict = {}  # a decider per other branch of the conds around a group's decider
     for g, keys in entries.items():
@@ -623,7 +636,10 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
             continue  # (the loss's region: no cotangent enters it)
         if g in unfit or g in stacked or one_layer:
             continue
-        if isinstance(g, tuple) and set(g) & (unfit | stacked):
+        # a fan-in met per layer, or read by a group met per layer or stacked (a
+        # layer's slot read here is no stack's: its point is out of the scan)
+        if isinstance(g, tuple) and (g in parts or {a for a in g if not _slot(a)}
+                                     & (unfit | stacked)):
             continue
         rest = keys + border.get(g, [])
         if not all(counts[k] == 1 and k in order for k in rest):

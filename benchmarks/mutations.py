@@ -610,6 +610,24 @@ MUTATIONS = {
         "        own = full(stats.own, False, jnp.bool_) | (p_amax > 0)",
         ["tests/test_rule.py", "tests/test_live_warmup.py"],
         "a group that adopted a fan-in's choice refuses a step as computed below its scale"),
+    "fan-in-slots-refused": (
+        "adaloss_jax/_live.py",
+        "            and all(type(g) is str or _slot(g) for g in anchors)):",
+        "            and all(type(g) is str for g in anchors)):",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a fan-in holding a stack's slot keeps the plan: a GRU before a stack skips step 0"),
+    "fan-in-slot-members-stacked": (
+        "adaloss_jax/_live.py",
+        "        if isinstance(g, tuple) and (g in parts or {a for a in g if not _slot(a)}",
+        "        if isinstance(g, tuple) and (g in parts or set(g)",
+        ["tests/test_live.py"],
+        "a fan-in read by a layer the stack's body names keeps the plan"),
+    "fan-in-parts-ignored": (
+        "adaloss_jax/_live.py",
+        "        if isinstance(g, tuple) and (g in parts or {a for a in g if not _slot(a)}",
+        "        if isinstance(g, tuple) and (False or {a for a in g if not _slot(a)}",
+        ["tests/test_live.py"],
+        "a fan-in met as one layer's part of per-layer anchors decides outside the scan"),
     "adoption-none": (
         "adaloss_jax/_live.py",
         "            if f is not None and not more and g != ROOT and g not in alone | taken}",

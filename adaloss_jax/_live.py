@@ -123,16 +123,17 @@ class Chain(NamedTuple):
     body takes the carried token (the layer's own, emitted by the previous layer's exit)
     and carries on the one its exit emits for the next layer. The first layer's token
     is the sum of those the points before the scan emitted for it; the last layer's
-    goes on to its consumer's decider (``last``; ``None``: nobody takes it, and that
-    side reads the plan), or, where the consumer is the first layer of a stack scanned
+    goes on to its consumer's decider (``last``: its one group, or its anchor set where
+    several modules read the stack's output, a fan-in; ``None``: nobody takes it, and
+    that side reads the plan), or, where the consumer is the first layer of a stack scanned
     straight after it (this stack's exit its way in), into that stack's carry, as the
     first token of its own (:func:`_exits`)."""
 
     slots: tuple[str, ...]  # the layers' groups, by slice
     decider: tuple  # the site key of the layers' exit, in the body
     first: int  # the slice executed first (the last one for a reversed scan)
-    last: Any  # the group deciding after the scan that takes the final token (or the
-    # first layer of the stack scanned straight after it)
+    last: Any  # the group or fan-in deciding after the scan that takes the final token
+    # (or the first layer of the stack scanned straight after it)
 
 
 CHAIN_X, CHAIN_Y = "<layer>", "<next layer>"  # the two sides of a chain's exit, in its body
@@ -334,7 +335,7 @@ def _chain(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
     if not _only_ways_in(scan, every, params, order, counts, (slots[run[0]],), touches,
                          earlier):
         return None
-    return Chain(slots, key, run[0], single(y[run[-1]]))
+    return Chain(slots, key, run[0], region_key(y[run[-1]]))
 
 
 def _only_ways_in(scan: Scan, every: Sequence[tuple], params: Sequence, order: dict,
@@ -835,7 +836,7 @@ def _stream(scan: Scan, every: Sequence[tuple], order: dict, params: Sequence,
     if not _only_ways_in(scan, every, params, order, counts, stream[first],
                          lambda a, b: layer & {*_parts(a), *_parts(b)}, earlier):
         return None
-    last = single(out[run[-1]])
+    last = region_key(out[run[-1]])
     if last is None or last in named or last == ROOT:
         named.add(last if last is not None else out[run[-1]])
         last = None

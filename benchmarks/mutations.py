@@ -628,6 +628,18 @@ MUTATIONS = {
         "        if isinstance(g, tuple) and (False or {a for a in g if not _slot(a)}",
         ["tests/test_live.py"],
         "a fan-in met as one layer's part of per-layer anchors decides outside the scan"),
+    "chain-last-one-group-only": (
+        "adaloss_jax/_live.py",
+        "    return Chain(slots, key, run[0], region_key(y[run[-1]]))",
+        "    return Chain(slots, key, run[0], single(y[run[-1]]))",
+        ["tests/test_live.py"],
+        "a chain read by several modules hands its last token to nobody: they keep the plan"),
+    "stream-last-one-group-only": (
+        "adaloss_jax/_live.py",
+        "    last = region_key(out[run[-1]])",
+        "    last = single(out[run[-1]])",
+        ["tests/test_live.py", "tests/test_live_warmup.py"],
+        "a stream read by several modules after its stack keeps their fan-in at the plan"),
     "adoption-none": (
         "adaloss_jax/_live.py",
         "            if f is not None and not more and g != ROOT and g not in alone | taken}",

@@ -350,6 +350,21 @@ def test_a_stack_whose_exits_feed_the_next_layer_is_a_chain(reverse):
     assert set(live.groups) == {"inp", "head", Layer("s", 0), Layer("s", 1), Layer("s", 2)}
 
 
+def test_a_chain_whose_output_two_modules_read_hands_its_final_token_to_their_fan_in():
+    # inp -> s[0] -> s[1] -> s[2] -> the fan-in of heads a and b: the last layer's token
+    # goes to that anchor set, which decides at its last entry after the scan.
+    f = ("a", "b")
+    every = [_site("inp_out", ("inp",), _S[0]),
+             ("exit", (_S, Steps([(Layer("s", 1),), (Layer("s", 2),), f])), True),
+             _site("a_in", f, ("a",)), _site("b_in", f, ("b",)),
+             _site("a_out", ("a",), ("",)), _site("b_out", ("b",), ("",))]
+    live = _live.analyse(every, _top("inp_out", "a_in", "b_in", "a_out", "b_out"), [], None,
+                         scans=[_scan({"exit"}, at=((), (0, 5)))])
+    (chain,) = live.chains.values()
+    assert chain.last == f and live.fanins == (f,) and live.deciders["b_in"] == f
+    assert live.needs["a_in"] == (f, "a")
+
+
 @pytest.mark.parametrize("case", ["two converting points", "exit skips a layer",
                                   "named after the scan", "tied parameter"])
 def test_a_stack_that_is_no_chain_keeps_the_plan(case):
@@ -1560,6 +1575,37 @@ def test_an_rnn_before_a_scanned_stack_decides_the_fan_ins_holding_its_slots():
     assert len(holding) == 2, program.live.fanins
     (inside, after), = program.live.recurs.values()
     assert len([f for f in holding if f in inside]) == 1 and len(after) == 1
+    for seed in (7, 8):
+        _exact_under_random_priors(loss, params, (x,), seed, -6, 12)
+
+
+class _StackIntoTwo(nn.Module):
+    """A Dense layer, three tanh cells in one ``nn.scan`` (a chain, or with residuals a
+    stream), and two Dense heads reading the stack's output (a fan-in)."""
+
+    residual: bool
+
+    @nn.compact
+    def __call__(self, x):
+        x = nn.Dense(8)(x)
+        h = nn.scan(_ResidualTanh if self.residual else _Tanh, variable_axes={"params": 0},
+                    split_rngs={"params": True}, length=3)()(x, None)[0]
+        return nn.Dense(4)(h) + nn.Dense(4)(jnp.tanh(h))
+
+
+@pytest.mark.parametrize("residual", [False, True])
+def test_a_stack_read_by_two_modules_hands_its_last_token_to_their_fan_in(residual):
+    """A scanned chain, or stream, whose output two heads read: its last layer's token
+    goes to their fan-in, which decides after the scan, and the gradients are fp32's
+    under any prior. (Its consumer no one group, the token went nowhere and the fan-in
+    kept the plan: after a stream, a frozen branch refused steps 0-1 in e4m3 at
+    x 2^-12, ``test_live_warmup.py``.)"""
+    x = jax.random.normal(jax.random.key(1), (4, 3))
+    params, loss = _classified(_StackIntoTwo(residual), x)
+    _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (x,), {})
+    (chain,) = program.live.chains.values()
+    assert isinstance(chain.last, tuple) and chain.last in program.live.fanins
+    assert (chain.decider in program.live.streams) == residual
     for seed in (7, 8):
         _exact_under_random_priors(loss, params, (x,), seed, -6, 12)
 

@@ -726,6 +726,15 @@ def test_a_frozen_branch_reading_a_stream_refuses_no_step(tiny):
     assert _random_net_skips(("dense", "stopped"), True, tiny) == []
 
 
+@SLOW
+def test_a_scanned_stack_read_by_several_modules_hands_them_its_choice():
+    """A scanned residual stack before that block: the stack's stream exits into the
+    block's input, a fan-in, which takes the last layer's token and decides after the
+    scan. In e4m3 at x 2^-12 nothing is skipped, from step 0. (Its consumer no one
+    group, the fan-in kept the plan, and steps 0-1 were refused.)"""
+    assert _random_net_skips(("scan", "stopped"), True, 2.0**-12) == []
+
+
 @pytest.mark.parametrize("ops,tied,tiny", [
     (("rnn",), False, 2.0**-12), (("olstm",), False, 2.0**-12),
     pytest.param(("dense", "rnn", "residual"), True, 2.0**-20, marks=pytest.mark.slow),

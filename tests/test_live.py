@@ -303,8 +303,8 @@ def test_a_fan_in_with_a_border_after_its_decider_or_a_stacked_anchor_keeps_the_
 def test_a_fan_in_read_by_a_stacks_layer_outside_its_scan_decides_unless_met_per_layer():
     # A value read by ``h`` and, at a point before the scan, by the stack's first layer
     # (its slot s[0], which the stack's body names: ``stacked``): its fan-in decides at
-    # its last entry as any. Where that anchor set is also one layer's part of per-layer
-    # anchors, or a whole stacked group reads it, it keeps the plan.
+    # its last entry as any. Where a whole stacked group reads it, or its anchor set is
+    # also one layer's part of per-layer anchors, it keeps the plan.
     s0 = Layer("s", 0)
     f = ("h", s0)
     every = [_site("e_out", ("e",), f), _site("s_in", f, (s0,)), _site("h_in", f, ("h",)),
@@ -314,13 +314,19 @@ def test_a_fan_in_read_by_a_stacks_layer_outside_its_scan_decides_unless_met_per
     assert live.fanins == (f,) and live.deciders["h_in"] == f
     assert live.deciders["e_out"] == "e"
     assert live.needs == {"e_out": (f,), "s_in": (f,), "h_in": ("h",)}
-    per_layer = _site("layers", Steps([f, (Layer("s", 1),)]), Steps([f, (Layer("s", 1),)]))
-    live = _live.analyse(every + [per_layer], order + [("layers", _at(4))], [], _at(0))
-    assert live.fanins == ()
     whole = ("h", "s")
     every = [(k, tuple(whole if a == f else a for a in pair), c) for k, pair, c in every]
     live = _live.analyse(every, order, [], _at(0), stacked=frozenset({"s"}))
     assert live.fanins == ()
+    # read by two stacks' first layers alone (slots only), then met per layer besides
+    f = (s0, Layer("t", 0))
+    two = [_site("e_out", ("e",), f), _site("s_in", f, (s0,)), _site("t_in", f, (f[1],)),
+           _site("t_out", (f[1],), ("",))]
+    order = _top("e_out", "s_in", "t_in", "t_out")
+    assert _live.analyse(two, order, [], _at(0)).fanins == (f,)
+    per_layer = Steps([f, (Layer("s", 1),)])
+    two.append(("layers", (per_layer, per_layer), False))
+    assert _live.analyse(two, order + [("layers", _at(4))], [], _at(0)).fanins == ()
 
 
 def _scan(keys, top=None, order=(), length=3, reverse=False, at=((), (2,))):

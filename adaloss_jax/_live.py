@@ -632,10 +632,9 @@ def _regions(every, order: dict, counts: Counter, params: Sequence, stacked: fro
     live: dict[str, tuple] = {}
     branch: dict = {}  # a decider per other branch of the conds around a group's decider
     for g, keys in entries.items():
-        one_layer = isinstance(g, Layer) and g.index is not None  # (not a body's symbol)
         if g == ROOT and not root:
             continue  # (the loss's region: no cotangent enters it)
-        if g in unfit or g in stacked or one_layer:
+        if g in unfit or g in stacked or _slot(g):
             continue
         # a fan-in met per layer, or read by a group met per layer or stacked (a
         # layer's slot read here is no stack's: its point is out of the scan)

@@ -1574,8 +1574,7 @@ def test_an_rnn_before_a_scanned_stack_decides_the_fan_ins_holding_its_slots():
     x = jax.random.normal(jax.random.key(1), (4, 5, 3))
     params, loss = _classified(_RecurrentIntoStack(), x)
     _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (x,), {})
-    holding = [f for f in program.live.fanins
-               if any(isinstance(a, Layer) and a.index is not None for a in f)
+    holding = [f for f in program.live.fanins if _slot_held(f)
                and not any(f in by_name.values() for by_name in program.live.layers.values())
                and not any(f in c.slots for c in program.live.chains.values())]
     assert len(holding) == 2, program.live.fanins
@@ -1612,6 +1611,55 @@ def test_a_stack_read_by_two_modules_hands_its_last_token_to_their_fan_in(residu
     assert isinstance(chain.last, tuple) and chain.last in program.live.fanins
     assert (chain.decider in program.live.streams) == residual
     _exact_under_random_priors(loss, params, (x,), 7, -6, 12)  # (two random priors)
+
+
+@pytest.mark.parametrize("model,around", [
+    ("rnn into stack", "vmap"), ("rnn into stack", "remat"), ("stream into two", "jit"),
+    ("chain into two", "vmap"),
+    *(pytest.param(m, a, marks=SLOW) for m, a in [
+        ("rnn into stack", "jit"), ("rnn into stack", "cond"), ("chain into two", "cond"),
+        ("stream into two", "remat")])])
+def test_fan_ins_holding_a_stacks_slot_or_its_last_token_hold_under_transformations(
+        model, around):
+    """The two fan-ins next to a scanned stack (a GRU's state and input read by the
+    stack's layers, holding its slots; a chain's or stream's output read by two heads,
+    taking the stack's last token) with ``vmap`` (per example), ``checkpoint`` or
+    ``jit`` around the whole model: the same regions and fan-ins decide as without, and
+    the gradients are fp32's under any prior. Under a ``cond`` (the model in both
+    branches: the stack and the scan over time there get no slots, and keep the plan
+    where they would need them) the gradients are fp32's too."""
+    net = (_RecurrentIntoStack() if model == "rnn into stack"
+           else _StackIntoTwo(model.startswith("stream")))
+    x = jax.random.normal(jax.random.key(1), (4, 5, 3) if model.startswith("rnn") else (4, 3))
+    labels = jnp.asarray([0, 1, 2, 3])
+    params = net.init(jax.random.key(0), x)["params"]
+
+    def loss_around(kind):
+        def loss(p, x, y=None):
+            logits = _around(kind, lambda v: net.apply({"params": p}, v))(x)
+            return optax.softmax_cross_entropy_with_integer_labels(
+                logits.astype(jnp.float32), labels).mean()
+        return loss
+
+    loss = loss_around(around)
+    if around != "cond":
+        live = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1].live
+        plain = alj._grad.trace(loss_around("none"), SAME_STEP, params, (x,), {})[1].live
+        assert set(live.groups) == set(plain.groups)
+        assert set(live.fanins) == set(plain.fanins)
+        decided = {d for d in live.deciders.values() if isinstance(d, tuple)}
+        assert decided == {d for d in plain.deciders.values() if isinstance(d, tuple)}
+        if model == "rnn into stack":  # (the state's and the input's)
+            assert len([f for f in decided if _slot_held(f)]) == 2, decided
+        else:
+            (chain,) = live.chains.values()
+            assert chain.last in decided
+    _exact_under_random_priors(loss, params, (x,), 17, -6, 12)
+
+
+def _slot_held(anchors):
+    """Whether a fan-in's anchor set holds a stack layer's slot."""
+    return any(isinstance(a, Layer) and a.index is not None for a in anchors)
 
 
 class _RawParams(nn.Module):

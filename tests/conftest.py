@@ -3,13 +3,32 @@ and which tests run in the full suite only."""
 
 import os
 
-# Must happen before jax initialises its backends. The tests compile hundreds of small
-# programs and run each a few steps: LLVM at -O0 (the HLO passes are unchanged, and so is
-# the arithmetic, fast-math being off, though loops may sum in another order) compiles
-# them faster than the default -O2, and what they compile is kept (below; the fast
-# tier's time on 2 cores: README). Subprocesses inherit both.
-os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8 "
-                                   "--xla_backend_optimization_level=0")
+
+def _xla_flags():
+    """XLA_FLAGS for the tests, set before jax initialises its backends: 8 CPU devices,
+    and quick compiles. The tests compile hundreds of small programs and run each a few
+    steps, so most of their time is compiling: LLVM at -O0, and XLA's older loop
+    emitters for fused kernels instead of its MLIR fusion emitters (each roughly halves
+    a step's compile time here; the HLO passes are unchanged, and so is the arithmetic,
+    fast-math being off, though loops may sum in another order). What they compile is
+    kept too (below; the tiers' times on 2 cores: README). Subprocesses and xdist
+    workers inherit the variable; one already set (by the user, or a parent) is kept.
+    A jaxlib that does not know the emitter flag (XLA aborts on an unknown flag) runs
+    without it: one probe process per run decides."""
+    if "XLA_FLAGS" in os.environ:
+        return
+    flags = "--xla_force_host_platform_device_count=8 --xla_backend_optimization_level=0"
+    quick = flags + " --xla_cpu_use_fusion_emitters=false"
+    import subprocess
+    import sys
+
+    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"],
+                           env={**os.environ, "XLA_FLAGS": quick, "JAX_PLATFORMS": "cpu"},
+                           capture_output=True, timeout=300)
+    os.environ["XLA_FLAGS"] = quick if probe.returncode == 0 else flags
+
+
+_xla_flags()
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 
 

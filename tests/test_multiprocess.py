@@ -27,8 +27,10 @@ def _free_port() -> int:
 
 
 def _launch(out, pid, nproc, port, devices):
+    kept = [f for f in os.environ.get("XLA_FLAGS", "").split()  # (conftest's quick compiles)
+            if not f.startswith("--xla_force_host_platform_device_count=")]
     env = {**os.environ, "JAX_PLATFORMS": "cpu", "PYTHONPATH": str(HERE.parent),
-           "XLA_FLAGS": f"--xla_force_host_platform_device_count={devices}"}
+           "XLA_FLAGS": " ".join([*kept, f"--xla_force_host_platform_device_count={devices}"])}
     return subprocess.Popen([sys.executable, str(HERE / "_multiprocess_worker.py"), str(out),
                              str(pid), str(nproc), str(port)], env=env,
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

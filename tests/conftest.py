@@ -22,10 +22,13 @@ def _xla_flags():
     import subprocess
     import sys
 
-    probe = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"],
-                           env={**os.environ, "XLA_FLAGS": quick, "JAX_PLATFORMS": "cpu"},
-                           capture_output=True, timeout=300)
-    os.environ["XLA_FLAGS"] = quick if probe.returncode == 0 else flags
+    try:
+        known = subprocess.run([sys.executable, "-c", "import jax; jax.devices('cpu')"],
+                               env={**os.environ, "XLA_FLAGS": quick, "JAX_PLATFORMS": "cpu"},
+                               capture_output=True, timeout=300).returncode == 0
+    except (OSError, subprocess.SubprocessError):
+        known = False
+    os.environ["XLA_FLAGS"] = quick if known else flags
 
 
 _xla_flags()

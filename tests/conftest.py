@@ -8,8 +8,8 @@ def _xla_flags():
     """XLA_FLAGS for the tests, set before jax initialises its backends: 8 CPU devices,
     and quick compiles. The tests compile hundreds of small programs and run each a few
     steps, so most of their time is compiling: LLVM at -O0, and XLA's older loop
-    emitters for fused kernels instead of its MLIR fusion emitters (each roughly halves
-    a step's compile time here; the HLO passes are unchanged, and so is the arithmetic,
+    emitters for fused kernels instead of its MLIR fusion emitters (each cuts a step's
+    compile time: CHANGELOG; the HLO passes are unchanged, and so is the arithmetic,
     fast-math being off, though loops may sum in another order). What they compile is
     kept too (below; the tiers' times on 2 cores: README). Subprocesses and xdist
     workers inherit the variable; one already set (by the user, or a parent) is kept.

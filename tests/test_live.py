@@ -1470,15 +1470,17 @@ def test_a_scan_of_one_layer_runs_its_body_once_and_decides_as_its_unrolled_twin
     assert "block_0/attn/qkv" in live[True][0] and live[True][1]
 
 
-def _classified(model, x):
+def _classified(model, x, around="none"):
     """``model``'s parameters for ``x``, and the cross-entropy of its four logits per
-    example (``x``: four examples) against the labels 0-3."""
+    example (``x``: four examples) against the labels 0-3, with ``around`` (a
+    ``test_jax_transformations`` wrapper) around the whole model."""
     labels = jnp.asarray([0, 1, 2, 3])
     params = model.init(jax.random.key(0), x)["params"]
 
     def loss(p, x, y=None):
-        logits = model.apply({"params": p}, x).astype(jnp.float32)
-        return optax.softmax_cross_entropy_with_integer_labels(logits, labels).mean()
+        logits = _around(around, lambda v: model.apply({"params": p}, v))(x)
+        return optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), labels).mean()
 
     return params, loss
 
@@ -1631,20 +1633,10 @@ def test_fan_ins_holding_a_stacks_slot_or_its_last_token_hold_under_transformati
     net = (_RecurrentIntoStack() if model == "rnn into stack"
            else _StackIntoTwo(model.startswith("stream")))
     x = jax.random.normal(jax.random.key(1), (4, 5, 3) if model.startswith("rnn") else (4, 3))
-    labels = jnp.asarray([0, 1, 2, 3])
-    params = net.init(jax.random.key(0), x)["params"]
-
-    def loss_around(kind):
-        def loss(p, x, y=None):
-            logits = _around(kind, lambda v: net.apply({"params": p}, v))(x)
-            return optax.softmax_cross_entropy_with_integer_labels(
-                logits.astype(jnp.float32), labels).mean()
-        return loss
-
-    loss = loss_around(around)
+    params, loss = _classified(net, x, around)
     if around != "cond":
         live = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1].live
-        plain = alj._grad.trace(loss_around("none"), SAME_STEP, params, (x,), {})[1].live
+        plain = alj._grad.trace(_classified(net, x)[1], SAME_STEP, params, (x,), {})[1].live
         assert set(live.groups) == set(plain.groups)
         assert set(live.fanins) == set(plain.fanins)
         decided = {d for d in live.deciders.values() if isinstance(d, tuple)}
@@ -1659,7 +1651,7 @@ def test_fan_ins_holding_a_stacks_slot_or_its_last_token_hold_under_transformati
 
 def _slot_held(anchors):
     """Whether a fan-in's anchor set holds a stack layer's slot."""
-    return any(isinstance(a, Layer) and a.index is not None for a in anchors)
+    return any(map(_live._slot, anchors))
 
 
 class _RawParams(nn.Module):
@@ -1768,16 +1760,8 @@ def test_an_rnn_under_a_transformation_around_the_model_stays_exact(cell, around
     ``shard_map`` that checks types: its zero initial carry is not typed as varying.)
     Likewise an ``OptimizedLSTMCell``, whose gates adopt the choice of the fan-in their
     kernels are read in wherever that fan-in decides, and nowhere else."""
-    model = _Recurrent(cell)
     x = jax.random.normal(jax.random.key(1), (4, 5, 3))
-    labels = jnp.asarray([0, 1, 2, 3])
-    params = model.init(jax.random.key(0), x)["params"]
-
-    def loss(p, x, y=None):
-        logits = _around(around, lambda v: model.apply({"params": p}, v))(x)
-        return optax.softmax_cross_entropy_with_integer_labels(
-            logits.astype(jnp.float32), labels).mean()
-
+    params, loss = _classified(_Recurrent(cell), x, around)
     _, program, _ = alj._grad.trace(loss, SAME_STEP, params, (x,), {})
     groups = set(alj.param_groups(params, SAME_STEP))
     gates = {g for g in groups if cell == "olstm" and "Cell" in g}

@@ -7,6 +7,7 @@ Usage::
 
     python benchmarks/mutations.py              # every mutation (about 15 minutes)
     python benchmarks/mutations.py --only max-as-sum,axis-name-ignored
+    python benchmarks/mutations.py --fast       # the fast tier's cases of those tests only
 """
 
 from __future__ import annotations
@@ -752,8 +753,9 @@ MUTATIONS = {
 }
 
 
-def run(name: str, keep: bool) -> tuple[bool | None, float, str]:
-    """(caught, seconds, detail); caught is None where the text to mutate is stale."""
+def run(name: str, keep: bool, fast: bool = False) -> tuple[bool | None, float, str]:
+    """(caught, seconds, detail); caught is None where the text to mutate is stale.
+    ``fast``: only the fast tier's cases of the mutation's tests run (``-m "not slow"``)."""
     path, old, new, tests, _ = MUTATIONS[name]
     tmp = tempfile.mkdtemp(prefix=f"mut-{name}-")
     try:
@@ -770,7 +772,8 @@ def run(name: str, keep: bool) -> tuple[bool | None, float, str]:
         env = {**os.environ, "PYTHONPATH": repo}
         t0 = time.perf_counter()
         proc = subprocess.run([sys.executable, "-m", "pytest", "-x", "-q", "-p", "no:cacheprovider",
-                               "-n", "2", *tests], cwd=repo, env=env, capture_output=True,
+                               "-n", "2", *(["-m", "not slow"] if fast else []), *tests],
+                              cwd=repo, env=env, capture_output=True,
                               text=True)
         failed = [ln.split(" ")[1] for ln in proc.stdout.splitlines() if ln.startswith("FAILED")]
         return proc.returncode != 0, time.perf_counter() - t0, (failed[0] if failed else
@@ -784,11 +787,16 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--only", default="", help="comma list of mutation names")
     parser.add_argument("--keep", action="store_true", help="keep the mutated copies")
+    parser.add_argument("--fast", action="store_true",
+                        help="run only the fast tier's cases of each mutation's tests")
+    parser.add_argument("--tests", default="",
+                        help="only the mutations whose tests include this file name")
     args = parser.parse_args(argv)
     names = [n for n in args.only.split(",") if n] or list(MUTATIONS)
+    names = [n for n in names if any(args.tests in t for t in MUTATIONS[n][3])]
     survived = 0
     for name in names:
-        caught, seconds, detail = run(name, args.keep)
+        caught, seconds, detail = run(name, args.keep, args.fast)
         survived += not caught
         verdict = "STALE" if caught is None else "caught" if caught else "SURVIVED"
         print(f"{verdict:<9} {name:<34} {seconds:5.0f} s  "

@@ -193,8 +193,59 @@ FULL_SUITE_ONLY = {
 }
 
 
+# Tests parametrized over many models or transformations: the fast tier runs the cases
+# named here, the full suite every case. The cases kept were chosen so that each break
+# of benchmarks/mutations.py the whole fast tier caught before still fails in it
+# (CHANGELOG; `python benchmarks/mutations.py --fast` checks that).
+FAST_TIER_KEEPS = {
+    "test_live.py::test_a_residual_streams_fan_in_decides_and_stays_exact_under_transformations":
+        ("jit-none", "shard_map-none", "none-remat", "vmap-cond"),
+    "test_live.py::test_modules_in_checkpoint_bodies_and_switch_branches_decide_and_stay_exact":
+        ("nested-abch-1", "cond inside-abh-1", "decider inside-abch-1", "called twice-ah-0",
+         "switch, first taken-abch-1", "switch, last taken-abch-1",
+         "nested switch in the first-abch-1"),
+    "test_live.py::test_a_scanned_stacks_stream_decides_at_each_layers_exit_and_stays_exact":
+        ("True-root-False", "True-parent-False", "False-before-False"),
+    "test_live.py::test_a_way_in_deciding_and_stacks_back_to_back_hold_under_transformations":
+        ("way in decides-vmap", "stacks back to back-jit", "one layer-remat"),
+    "test_live.py::test_a_stack_scanned_straight_into_another_hands_it_its_last_layers_token":
+        ("kinds0-reverse0", "kinds3-reverse3", "read-reverse4"),
+    "test_live.py::test_an_rnn_over_time_decides_in_its_scan_and_stays_exact":
+        ("gru-1-False-False", "gru-5-True-False", "lstm-5-False-True"),
+    "test_live.py::test_fan_ins_holding_a_stacks_slot_or_its_last_token_hold_under_transformations":
+        ("rnn into stack-vmap", "stream into two-jit", "chain into two-vmap"),
+    "test_live.py::test_an_rnn_under_a_transformation_around_the_model_stays_exact":
+        ("gru-vmap", "gru-cond", "olstm-remat"),
+    "test_live.py::test_an_rnn_computing_in_float16_gets_float32s_gradients": ("gru", "olstm"),
+    "test_live_warmup.py::test_a_scanned_stacks_stream_decides_in_the_pass_and_skips_nothing":
+        ("_HighwayScan-float8_e4m3fn-0", "_ResidualScan-float8_e4m3fn--20",
+         "one-layer-gpt-float8_e4m3fn-0", "wrapped-gpt-float8_e4m3fn-0"),
+    "test_live_warmup.py::test_a_loss_cast_inside_a_nested_equation_is_measured_before_it_narrows":
+        ("jit-ce", "remat", "cond-ce-first", "scan-ce", "shard-ce-untyped"),
+    "test_live_warmup.py::test_the_loss_cast_is_measured_around_every_transformation":
+        ("none-whole", "jit-chunked", "remat-whole", "vmap-chunked", "cond-chunked",
+         "shard_map-whole", "shard_map_untyped-chunked"),
+    "test_live_warmup.py::test_a_residual_stream_chooses_its_scale_in_the_pass_and_skips_nothing":
+        ("attention-float8_e5m2-1024", "mlp-float8_e5m2-64"),
+    "test_live_warmup.py::test_modules_under_remat_decide_in_the_pass_and_skip_nothing":
+        ("_Remat-float8_e4m3fn--20", "_RematScan-float8_e5m2--20"),
+    "test_live_warmup.py::test_a_cross_entropy_in_a_scan_or_cond_gets_its_points_and_stays_exact":
+        ("scan", "cond", "shard_map_untyped"),
+    "test_live_warmup.py::test_the_root_decided_at_the_cast_holds_under_transformations":
+        ("jit-entered", "remat-entered", "vmap-cast"),
+}
+
+
+def _full_suite_only(nodeid: str) -> bool:
+    """Whether a test (its id from tests/) runs in the full suite only."""
+    function, _, case = nodeid.partition("[")
+    keeps = FAST_TIER_KEEPS.get(function)
+    return nodeid in FULL_SUITE_ONLY or (keeps is not None and case[:-1] not in keeps)
+
+
 class _StaleList(pytest.Item):
-    """A test that fails, naming the ids in FULL_SUITE_ONLY that no collected test has.
+    """A test that fails, naming the ids in FULL_SUITE_ONLY or FAST_TIER_KEEPS that no
+    collected test has.
     (An error raised in the collection hook itself reaches the user under ``-n 2`` only as
     an xdist INTERNALERROR that blames whichever test a worker ran last.)"""
 
@@ -204,8 +255,8 @@ class _StaleList(pytest.Item):
 
     def runtest(self):
         raise AssertionError(
-            "tests/conftest.py's FULL_SUITE_ONLY names tests that do not exist (renamed or "
-            f"re-parametrized?): {self.stale}. Update the list to their new ids "
+            "tests/conftest.py's FULL_SUITE_ONLY or FAST_TIER_KEEPS names tests that do not "
+            f"exist (renamed or re-parametrized?): {self.stale}. Update them to their new ids "
             "(python -m pytest --co -q lists them).")
 
     def repr_failure(self, excinfo):
@@ -219,10 +270,12 @@ class _StaleList(pytest.Item):
 def pytest_collection_modifyitems(session, config, items):
     ids = {item.nodeid.removeprefix("tests/") for item in items}
     for item in items:
-        if item.nodeid.removeprefix("tests/") in FULL_SUITE_ONLY:
+        if _full_suite_only(item.nodeid.removeprefix("tests/")):
             item.add_marker(pytest.mark.slow)
     whole_suite = not config.option.file_or_dir and not config.getoption("keyword")
-    stale = FULL_SUITE_ONLY - ids if whole_suite else set()
+    kept = {f"{function}[{case}]" for function, cases in FAST_TIER_KEEPS.items()
+            for case in cases}
+    stale = (FULL_SUITE_ONLY | kept) - ids if whole_suite else set()
     if stale:  # a renamed test: keep the list true (a failing test of its own, run first)
         items.insert(0, _StaleList.from_parent(
             session, name="FULL_SUITE_ONLY-names-existing-tests", stale=stale))

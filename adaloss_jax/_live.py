@@ -296,18 +296,18 @@ def _relays(y, x, run) -> bool:
 
 
 def _exits(scans: Sequence[Scan], every: Sequence[tuple], counts: Counter) -> dict:
-    """``{site key: (scan, the slice of its last layer, its y side there)}``: per scan
-    over a stack, the one point of its body, met once at its top level, that converts
-    every layer into the layer executed next (a chain's or a stream's exit,
-    :func:`_chain`, :func:`_stream`), where it has exactly one."""
+    """``{site key: (scan, the slice of its last layer)}``: per scan over a stack, the
+    one point of its body, met once at its top level, that converts every layer into
+    the layer executed next (a chain's or a stream's exit, :func:`_chain`,
+    :func:`_stream`), where it has exactly one."""
     out = {}
     for scan in scans:
         run = _run(scan)
-        found = [(k, y) for k, (x, y), c in every
+        found = [k for k, (x, y), c in every
                  if k in scan.keys and c and isinstance(x, Steps) and isinstance(y, Steps)
                  and _relays(y, x, run)]
-        if len(found) == 1 and found[0][0] in scan.top and counts[found[0][0]] == 1:
-            out[found[0][0]] = (scan, run[-1], found[0][1][run[-1]])
+        if len(found) == 1 and found[0] in scan.top and counts[found[0]] == 1:
+            out[found[0]] = (scan, run[-1])
     return out
 
 
@@ -352,7 +352,7 @@ def _only_ways_in(scan: Scan, every: Sequence[tuple], params: Sequence, order: d
     for k, (a, b), convert in [*outside, *_param_sites(params)]:
         if not touches(a, b) or (not convert and a == b == first):
             continue
-        into = [(e, at) for e, (other, at, _) in (earlier or {}).items() if k in other.keys
+        into = [(e, at) for e, (other, at) in (earlier or {}).items() if k in other.keys
                 and other.at[0] == scan.at[0] and other.at[1] < scan.at[1]]
         if into:  # (in the body of a stack scanned before it)
             (e, at), side = into[0], (b if convert else a)
@@ -413,18 +413,10 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
             break
         exits = kept
     layers, names, ways, opens = {}, {}, {}, {}
+    # (a stack whose last layer's exit converts into the first layer of a stack scanned
+    # after it names that layer as its ``last``: its final token goes on in that stack's
+    # carry, below)
     firsts = {c.slots[c.first] for _, c in relays}
-    # a stack whose last layer's exit converts into the first layer of a stack scanned
-    # after it: its final token goes on to that layer's exit, which takes it in its carry
-    passes = {k: last for k, (_, _, last) in exits.items() if last in firsts}
-    for i, (scan, c) in list(chains.items()):
-        if c.decider in passes:
-            chains[i] = (scan, c._replace(last=passes[c.decider]))
-    for i, (scan, st, found) in list(streams.items()):
-        if st.chain.decider in passes:
-            streams[i] = (scan, st._replace(chain=st.chain._replace(
-                last=passes[st.chain.decider])), found)
-    relays = [*chains.values(), *((scan, st.chain) for scan, st, _ in streams.values())]
     inside = {k for scan, _ in relays for k in scan.keys}
     extra: dict = {}  # a chain's final token: a way into its consumer
     for scan, chain in relays:

@@ -228,8 +228,8 @@ MUTATIONS = {
         "    if stuck:",
         "    if False:",
         ["tests/test_live.py", "tests/test_live_warmup.py"],
-        "a root's parameter read where the region cannot decide (a one-layer stack's "
-        "stream) leaves it to the plan of its readers, not the root's statistics"),
+        "a root's parameter read where the region cannot decide (inside a shard_map of "
+        "the loss) leaves it to the plan of its readers, not the root's statistics"),
     "root-parameters-free-without-same-step": (
         "adaloss_jax/_grad.py",
         "    plan = _plan(rec, scaler, owners, stacks, frozenset() if scaler.same_step else None)",
@@ -295,10 +295,10 @@ MUTATIONS = {
         "a stack entered from another's exit relays though that one does not"),
     "stacks-handoff-token-dropped": (
         "adaloss_jax/_live.py",
-        "    passes = {k: last for k, (_, _, last) in exits.items() if last in firsts}",
-        "    passes = {}",
+        "last=st.chain.last if st.chain.last in live or st.chain.last in firsts else None)",
+        "last=st.chain.last if st.chain.last in live else None)",
         ["tests/test_live.py"],
-        "a stack's final token never reaches the stack scanned straight after it"),
+        "a stream's final token never reaches the stack scanned straight after it"),
     "stacks-handoff-chain-last-cleared": (
         "adaloss_jax/_live.py",
         "c._replace(last=c.last if c.last in live or c.last in firsts else None)",

@@ -1134,6 +1134,39 @@ def test_a_root_parameter_before_a_scanned_chain_converts_from_its_first_layer(r
     assert all(float(stats.log2_scales[g]) > 0 for g in chain.slots)
 
 
+class _RootShift(nn.Module):
+    """Three Dense layers with a parameter of the root's added between the first two."""
+
+    @nn.compact
+    def __call__(self, x):
+        h = jnp.tanh(nn.Dense(8)(x)) + self.param("shift", nn.initializers.normal(1.0), (8,))
+        h = jnp.tanh(nn.Dense(8)(h))
+        return nn.Dense(4)(h)
+
+
+@pytest.mark.filterwarnings("ignore:adaloss_jax. same-step scales .same_step, on by")  # (under
+# the shard_map: nothing decides, which the analysis is checked for)
+@pytest.mark.parametrize("around", ["none", "shard_map_untyped"])
+def test_a_root_parameter_read_where_nothing_decides_anchors_its_region(around):
+    """The root's parameter is read in the region of the Dense after it. Where that
+    region decides, the parameter converts from the root's scale into the region's
+    choice; inside a ``shard_map`` of the loss nothing decides, so the parameter
+    anchors the region again (the region's scale is then the root's, from the root's
+    statistics, and nothing converts). fp32 gradients exact under any prior."""
+    params, loss = _classified(_RootShift(), jnp.asarray(_X[:4, :3]), around)
+    program = alj._grad.trace(loss, SAME_STEP, params, (jnp.asarray(_X[:4, :3]),), {})[1]
+    order = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    shift = order.index("['shift']")
+    if around == "none":
+        assert "Dense_1" in program.live.groups
+        assert program.param_pairs[shift] == (("",), ("Dense_1",))
+        assert _live.reads_a_choice(program.live, shift, program.param_pairs[shift])
+    else:
+        assert not program.live.any
+        assert program.param_pairs[shift] is None
+    _exact_under_random_priors(loss, params, (jnp.asarray(_X[:4, :3]),), 17, -8, 16)
+
+
 class _TwoStacks(nn.Module):
     """Two stacks scanned one after the other, nothing between them: the first's last
     layer exits straight into the second's first. Each a chain (tanh layers) or a

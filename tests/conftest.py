@@ -215,7 +215,7 @@ FAST_TIER_KEEPS = {
     "test_live.py::test_fan_ins_holding_a_stacks_slot_or_its_last_token_hold_under_transformations":
         ("rnn into stack-vmap", "stream into two-jit", "chain into two-vmap"),
     "test_live.py::test_an_rnn_under_a_transformation_around_the_model_stays_exact":
-        ("gru-vmap", "gru-cond", "olstm-remat"),
+        ("gru-vmap", "gru-cond", "gru-shard_map_untyped", "olstm-remat"),
     "test_live.py::test_an_rnn_computing_in_float16_gets_float32s_gradients": ("gru", "olstm"),
     "test_live_warmup.py::test_a_scanned_stacks_stream_decides_in_the_pass_and_skips_nothing":
         ("_HighwayScan-float8_e4m3fn-0", "_ResidualScan-float8_e4m3fn--20",

@@ -102,101 +102,48 @@ _hypothesis_profiles()
 
 
 # The fast tier's slowest tests (measured with --durations on 2 CPU cores), run in the
-# full suite only: each has a faster sibling in the fast tier that guards the same
-# contract (an mlp for a resnet, one front end for four, a fixed twin for a property
-# search, the global scaler's sharded run for the adaptive one's).
+# full suite only, every case of each: each has a faster sibling in the fast tier that
+# guards the same contract (an mlp for a resnet, one front end for four, a fixed twin for
+# a property search, the global scaler's sharded run for the adaptive one's). Listed by
+# function; a parametrized test that keeps some of its cases in the fast tier is in
+# FAST_TIER_KEEPS instead (an id with a case here is reported as stale).
 FULL_SUITE_ONLY = {
     "test_scanned_stacks.py::test_scanned_stack_equals_its_unrolled_twin_exactly_in_fp32",
     "test_scanned_stacks.py::test_nn_scan_stack_gets_a_scale_per_layer_equal_to_its_python_loop_twin",
     "test_scanned_stacks.py::test_a_stack_scanned_over_otherwise_keeps_one_scale",
     "test_scanned_stacks.py::test_per_example_vmap_around_a_scanned_stack_measures_the_batched_loss",
+    "test_scanned_stacks.py::test_scanned_stack_scales_each_layer_like_its_unrolled_twin_in_fp16",
     "test_jax_transformations.py::test_transformed_model_measures_what_its_untransformed_twin_measures",
-    "test_adaptive_distributed.py::test_typed_shard_map_devices_agree_and_equal_one_device[no-axis_name]",
+    "test_jax_transformations.py::test_fp32_gradients_exact_under_arbitrary_per_group_scales",
     "test_adaptive_distributed.py::test_spmd_jit_sharded_batch_equals_single_device",
     "test_adaptive_distributed.py::test_untyped_shard_map_devices_agree_only_with_axis_name",
     "test_no_host_sync.py::test_adaptive_step_has_no_host_round_trips",
-    "test_nnx_adaptive.py::test_fp32_exact_under_arbitrary_per_group_scales[amax-None]",
-    "test_nnx_adaptive.py::test_fp32_exact_under_arbitrary_per_group_scales[quantile-None]",
     "test_bench.py::test_interrupted_bench_keeps_finished_runs",
-    "test_adaptive.py::test_no_step_is_applied_far_below_the_scale_its_statistics_call_for"
-    "[module-scanned_stack_shared-9.5367431640625e-07]",
-    "test_adaptive.py::test_no_step_is_applied_far_below_the_scale_its_statistics_call_for"
-    "[global-scanned_stack_shared-9.5367431640625e-07]",
-    "test_adaptive.py::test_no_step_is_applied_far_below_the_scale_its_statistics_call_for"
-    "[module-resnet-9.5367431640625e-07]",
-    "test_adaptive.py::test_no_step_is_applied_far_below_the_scale_its_statistics_call_for"
-    "[global-resnet-9.5367431640625e-07]",
-    "test_adaptive.py::test_tiny_loss_adaptive_at_least_halves_underflow_of_dynamic[resnet]",
-    "test_adaptive.py::test_fp32_model_exact_under_arbitrary_per_group_scales[resnet]",
     "test_adaptive.py::test_check_mode_names_disagreeing_leaves",
+    "test_adaptive.py::test_models_applied_to_sub_trees_of_the_parameters_get_their_own_groups",
     "test_one_liner.py::test_state_statistics_or_gradients_of_another_model_are_refused",
-    "test_frontend_sharding.py::test_sharded_batch_gives_the_single_device_scales[linen]",
-    "test_frontend_sharding.py::test_sharded_batch_gives_the_single_device_scales[nnx]",
-    "test_frontend_sharding.py::test_sharded_batch_gives_the_single_device_scales[equinox]",
     "test_orbax.py::test_checkpoint_manager_round_trip_resumes_bit_identically",
     "test_numerics.py::test_taps_inside_an_adaptive_gradient_see_each_call_once",
     "test_global_transforms.py::test_twin_run_matches_control_that_skips_explicitly",
-    "test_scanned_stacks.py::test_scanned_stack_scales_each_layer_like_its_unrolled_twin_in_fp16",
-    "test_adaptive.py::test_models_applied_to_sub_trees_of_the_parameters_get_their_own_groups",
-    "test_adaptive.py::test_simulated_e5m2_cotangents_scaled_beat_unscaled[global-False]",
-    "test_adaptive.py::test_simulated_e5m2_cotangents_scaled_beat_unscaled[module-False]",
-    "test_adaptive.py::test_module_called_inside_and_outside_lifted_transforms[global]",
-    "test_adaptive.py::test_fp32_model_exact_under_arbitrary_per_group_scales[recurrent_cell]",
-    "test_parity.py::test_real_gradients_same_scales_and_skips_as_flax[4]",
-    "test_jax_transformations.py::test_per_example_vmap_at_batch_256_measures_the_batched_amax"
-    "[global]",
-    "test_misuse.py::test_an_adaptive_scaler_on_a_wide_model_turns_itself_off[float32]",
-    "test_misuse.py::test_gradients_not_those_of_the_statistics_raise_a_health_flag"
-    "[scaled down by 2**-20-4]",
-    # issue 31's fixed tests: a sibling of each stays in the fast tier
-    "test_messages.py::test_an_adaptive_step_warns_of_nothing[gaussian]",
-    "test_messages.py::test_an_adaptive_step_warns_of_nothing[quantile]",
-    "test_scanned_stacks.py::test_scanned_stack_equals_its_unrolled_twin_fixed_examples"
-    "[False-True-True]",
-    "test_documented.py::test_linen_train_state_axis_name_makes_every_device_skip_together"
-    "[dynamic]",
-    "test_documented.py::test_linen_train_step_has_aux_and_keyword_arguments[dynamic]",
-    "test_documented.py::test_nnx_train_step_wrt_has_aux_and_keyword_arguments[dynamic]",
-    "test_misuse.py::test_gradients_not_those_of_the_statistics_raise_a_health_flag"
-    "[plain jax.grad-4]",
-    "test_distributed.py::test_state_of_full_parameters_accepts_their_shards[adaptive_scaled]",
-    "test_bench.py::test_fp8_peers_refuse_a_model_without_fp8_layers[fp8-flax]",
-    "test_bench.py::test_new_fp8_peers_quantize_a_scanned_stack_like_its_unrolled_twin"
-    "[fp8-mxfp8]",
-    "test_jax_transformations.py::test_fp32_gradients_exact_under_arbitrary_per_group_scales",
     "test_flax_free_core.py::test_core_imports_and_trains_without_flax",
     # same-step scales in stacks: the forward and reversed chain stay in the fast tier,
     # with the analysis's hand-written cases and the plain and vmapped loss
     "test_live.py::test_a_scanned_transformer_decides_inside_each_block_as_its_unrolled_twin",
-    "test_live.py::test_a_scanned_stack_chooses_each_layers_scale_as_its_unrolled_twin"
-    "[True-False-False]",
-    "test_live.py::test_a_scanned_stack_chooses_each_layers_scale_as_its_unrolled_twin"
-    "[True-False-True]",
-    "test_live.py::test_a_scanned_stack_chooses_each_layers_scale_as_its_unrolled_twin"
-    "[False-True-False]",
-    "test_live.py::test_a_scanned_stack_chooses_each_layers_scale_as_its_unrolled_twin"
-    "[False-True-True]",
-    "test_live.py::test_a_scanned_chain_decides_under_transformations_of_the_loss[jit]",
-    "test_live.py::test_a_scanned_chain_decides_under_transformations_of_the_loss[remat]",
-    "test_live.py::test_a_scanned_chain_decides_under_transformations_of_the_loss[cond]",
-    "test_live.py::test_a_stack_whose_every_output_is_read_keeps_the_plan_and_stays_exact"
-    "[True]",
     # the GPTs whose loss cast flushes (the MLP's root-at-the-cast test and the scanned
-    # e4m3 GPT's step-0-only test stay), the qwix peer's scanned twin (its plain-qwix
-    # equivalence stays)
-    "test_live_warmup.py::test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_at_most_step_0"
-    "[unrolled]",
-    "test_live_warmup.py::test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_at_most_step_0"
-    "[scanned]",
-    "test_bench.py::test_new_fp8_peers_quantize_a_scanned_stack_like_its_unrolled_twin"
-    "[fp8-qwix]",
+    # e4m3 GPT's step-0-only test stay), the fp8 peers' scanned twins (their plain
+    # equivalences stay)
+    "test_live_warmup.py::test_a_gpt_whose_logits_cotangent_flushes_at_the_cast_skips_at_most_step_0",
+    "test_bench.py::test_new_fp8_peers_quantize_a_scanned_stack_like_its_unrolled_twin",
 }
 
 
-# Tests parametrized over many models or transformations: the fast tier runs the cases
-# named here, the full suite every case. The cases kept were chosen so that each break
-# of benchmarks/mutations.py the whole fast tier caught before still fails in it
-# (CHANGELOG; `python benchmarks/mutations.py --fast` checks that).
+# Tests parametrized over models, formats, front ends or transformations: the fast tier
+# runs the cases named here, the full suite every case (a case added to such a test runs
+# in the full suite only until it is named here). For the same-step tests (test_live*.py)
+# the cases kept were chosen so that each break of benchmarks/mutations.py the whole fast
+# tier caught before still fails in it (CHANGELOG; `python benchmarks/mutations.py --fast`
+# checks that); for the others, the cases left out are the slowest, each with a kept
+# sibling that guards the same contract.
 FAST_TIER_KEEPS = {
     "test_live.py::test_a_residual_streams_fan_in_decides_and_stays_exact_under_transformations":
         ("jit-none", "shard_map-none", "none-remat", "vmap-cond"),
@@ -233,6 +180,52 @@ FAST_TIER_KEEPS = {
         ("scan", "cond", "shard_map_untyped"),
     "test_live_warmup.py::test_the_root_decided_at_the_cast_holds_under_transformations":
         ("jit-entered", "remat-entered", "vmap-cast"),
+    "test_adaptive.py::test_fp32_model_exact_under_arbitrary_per_group_scales":
+        ("mlp", "cnn_batchnorm", "unet_concat", "gpt_tied_reused_attention",
+         "scanned_stack_shared"),
+    "test_adaptive.py::test_module_called_inside_and_outside_lifted_transforms":
+        ("module",),
+    "test_adaptive.py::test_no_step_is_applied_far_below_the_scale_its_statistics_call_for":
+        ("module-mlp-0.000244140625", "module-gpt_tied_reused_attention-9.5367431640625e-07",
+         "global-mlp-0.000244140625", "global-gpt_tied_reused_attention-9.5367431640625e-07"),
+    "test_adaptive.py::test_simulated_e5m2_cotangents_scaled_beat_unscaled":
+        ("module-True",),
+    "test_adaptive.py::test_tiny_loss_adaptive_at_least_halves_underflow_of_dynamic":
+        ("mlp", "unet_concat"),
+    "test_adaptive_distributed.py::test_typed_shard_map_devices_agree_and_equal_one_device":
+        ("axis_name", "no-axis_name-retries"),
+    "test_bench.py::test_fp8_peers_refuse_a_model_without_fp8_layers":
+        ("fp8-current", "fp8-qwix", "fp8-mxfp8"),
+    "test_distributed.py::test_state_of_full_parameters_accepts_their_shards":
+        ("loss_scaled",),
+    "test_documented.py::test_linen_train_state_axis_name_makes_every_device_skip_together":
+        ("adaptive",),
+    "test_documented.py::test_linen_train_step_has_aux_and_keyword_arguments":
+        ("adaptive",),
+    "test_documented.py::test_nnx_train_step_wrt_has_aux_and_keyword_arguments":
+        ("adaptive",),
+    "test_frontend_sharding.py::test_sharded_batch_gives_the_single_device_scales":
+        ("pure-jax",),
+    "test_jax_transformations.py::test_per_example_vmap_at_batch_256_measures_the_batched_amax":
+        ("module",),
+    "test_live.py::test_a_scanned_chain_decides_under_transformations_of_the_loss":
+        ("none", "vmap"),
+    "test_live.py::test_a_scanned_stack_chooses_each_layers_scale_as_its_unrolled_twin":
+        ("False-False-False", "False-False-True"),
+    "test_live.py::test_a_stack_whose_every_output_is_read_keeps_the_plan_and_stays_exact":
+        ("False",),
+    "test_messages.py::test_an_adaptive_step_warns_of_nothing":
+        ("amax",),
+    "test_misuse.py::test_an_adaptive_scaler_on_a_wide_model_turns_itself_off":
+        ("bfloat16",),
+    "test_misuse.py::test_gradients_not_those_of_the_statistics_raise_a_health_flag":
+        ("plain jax.grad-0", "scaled down by 2**-20-0"),
+    "test_nnx_adaptive.py::test_fp32_exact_under_arbitrary_per_group_scales":
+        ("amax-2",),
+    "test_parity.py::test_real_gradients_same_scales_and_skips_as_flax":
+        ("2",),
+    "test_scanned_stacks.py::test_scanned_stack_equals_its_unrolled_twin_fixed_examples":
+        ("True-True-False", "True-False-True"),
 }
 
 
@@ -240,12 +233,12 @@ def _full_suite_only(nodeid: str) -> bool:
     """Whether a test (its id from tests/) runs in the full suite only."""
     function, _, case = nodeid.partition("[")
     keeps = FAST_TIER_KEEPS.get(function)
-    return nodeid in FULL_SUITE_ONLY or (keeps is not None and case[:-1] not in keeps)
+    return function in FULL_SUITE_ONLY or (keeps is not None and case[:-1] not in keeps)
 
 
 class _StaleList(pytest.Item):
     """A test that fails, naming the ids in FULL_SUITE_ONLY or FAST_TIER_KEEPS that no
-    collected test has.
+    collected test has (or a function in both).
     (An error raised in the collection hook itself reaches the user under ``-n 2`` only as
     an xdist INTERNALERROR that blames whichever test a worker ran last.)"""
 
@@ -256,14 +249,15 @@ class _StaleList(pytest.Item):
     def runtest(self):
         raise AssertionError(
             "tests/conftest.py's FULL_SUITE_ONLY or FAST_TIER_KEEPS names tests that do not "
-            f"exist (renamed or re-parametrized?): {self.stale}. Update them to their new ids "
-            "(python -m pytest --co -q lists them).")
+            f"exist (renamed or re-parametrized?), or a test in both: {self.stale}. Update "
+            "them to their new ids (python -m pytest --co -q lists them); FULL_SUITE_ONLY "
+            "takes whole functions, FAST_TIER_KEEPS the cases a parametrized one keeps.")
 
     def repr_failure(self, excinfo):
         return str(excinfo.value)
 
     def reportinfo(self):
-        return self.path, None, "FULL_SUITE_ONLY"
+        return self.path, None, "FULL_SUITE_ONLY / FAST_TIER_KEEPS"
 
 
 @pytest.hookimpl(tryfirst=True)  # before -m "not slow" deselects by marker
@@ -273,9 +267,11 @@ def pytest_collection_modifyitems(session, config, items):
         if _full_suite_only(item.nodeid.removeprefix("tests/")):
             item.add_marker(pytest.mark.slow)
     whole_suite = not config.option.file_or_dir and not config.getoption("keyword")
+    functions = {i.partition("[")[0] for i in ids}
     kept = {f"{function}[{case}]" for function, cases in FAST_TIER_KEEPS.items()
             for case in cases}
-    stale = (FULL_SUITE_ONLY | kept) - ids if whole_suite else set()
-    if stale:  # a renamed test: keep the list true (a failing test of its own, run first)
+    stale = (FULL_SUITE_ONLY - functions) | (kept - ids) | (FULL_SUITE_ONLY & set(FAST_TIER_KEEPS))
+    if stale and whole_suite:  # a renamed test: keep the lists true (a failing test of its
+        # own, run first)
         items.insert(0, _StaleList.from_parent(
-            session, name="FULL_SUITE_ONLY-names-existing-tests", stale=stale))
+            session, name="fast-tier-lists-name-existing-tests", stale=stale))

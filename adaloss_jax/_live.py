@@ -154,8 +154,9 @@ class Live(NamedTuple):
         groups its body decides, a scale per layer: its chain's layers
         (:data:`CHAIN_X`), or the regions inside one layer (by :func:`symbol`).
       names: ``{site key: (x, y)}``: the group names of the two sides of a point
-        inside such a body, or of a way into a stream's first layer before its scan
-        (:func:`region_key` names the others).
+        inside such a body (:func:`region_key` names the others, a way into a stream's
+        first layer before its scan included: that layer's anchor set is a fan-in,
+        :func:`_stream`, its own region key).
       fanins: the live fan-ins, each by its anchor set (:func:`fan_in`), sorted; a
         stream's layers (:func:`_stream`) included.
       streams: the site keys of the streams' exits (deciders of a fan-in per layer).
@@ -467,9 +468,6 @@ def analyse(every: Sequence[tuple], top: Sequence[tuple], params: Sequence,
                 needs[k] = tuple(dict.fromkeys((*needs.get(k, ()), *w)))
     deciders = {d: g for g, d in [*live.items(), *((g, k) for k, g in others.items()),
                                   *inside_time.items()] if d[0] != "way in"}
-    names.update({k: tuple(a if a in ways_in else region_key(a) for a in pair)
-                  for k, pair, _ in [*every, *_param_sites(params)]
-                  if k not in inside and ways_in & set(pair)})
     for i, (_, c) in chains.items():
         deciders[c.decider] = CHAIN_X
         needs[c.decider] = (CHAIN_Y,)

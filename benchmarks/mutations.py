@@ -319,13 +319,6 @@ MUTATIONS = {
         ["tests/test_live.py"],
         "a chain counts a fan-in its first layer reads as touching it, and keeps the plan "
         "after a stream"),
-    "stream-parameter-way-in-unnamed": (
-        "adaloss_jax/_live.py",
-        "                  for k, pair, _ in [*every, *_param_sites(params)]",
-        "                  for k, pair, _ in every",
-        ["tests/test_live.py"],
-        "a parameter converting into a stream's first layer does not know which of its "
-        "tokens is that layer's choice"),
     "ways-in-parameters-unchecked": (
         "adaloss_jax/_live.py",
         "    for k, (a, b), convert in [*outside, *_param_sites(params)]:",

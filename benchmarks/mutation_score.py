@@ -86,6 +86,26 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "with the blob, nested ones among themselves), so a nested equation's variables "
         "reach the blob through its inputs or its readers, and an output read by nothing "
         "belongs to no region that matters"),
+    "adaloss_jax._adaptive_scaler.xǁAdaptiveScaleǁ__post_init____mutmut_146": (
+        "+        module = _MODULE_RISE.get(fmt.name, 1) if self.groups == \"module\" else 0",
+        "the default max_rise is max(module, backoff + 1), and backoff = log2(factor) >= 1 "
+        "for every factor check_growth_factor accepts (a power of two > 1): a format "
+        "without a module rise of its own gets backoff + 1 >= 2 whether the default is 0 "
+        "or 1"),
+    "adaloss_jax._apply.xǁProgramǁ_live__mutmut_32": (
+        "+                if kind == _jaxpr.COND or scope == ():",
+        "it records as conds also the top level's jit, checkpoint and one-iteration scan "
+        "equations, and the conds met in a scan's body: _branch_deciders looks for other "
+        "branches with entries, and an equation of one sub-program has none (jit, "
+        "closed_call, core_call, checkpoint and scan each hold one); the conds of other "
+        "scopes are skipped by its scope test (only the top level's regions get branch "
+        "deciders, all of scope ())"),
+    "adaloss_jax._decide.x_measured__mutmut_257": (
+        "+            full(stats.lost_amax, +jnp.inf, jnp.float32), jax.lax.pmax, axis_name),",
+        "the fill of the groups absent from the step's statistics: the rule reads "
+        "lost_amax only through its floor `lowest`, applied where a group is starved, and "
+        "an absent group's starved is filled False (with +inf, lowest is -inf, not NaN); "
+        "the state's statistics keep the channel's own lost_amax, not this one"),
 }
 
 

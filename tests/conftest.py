@@ -126,8 +126,9 @@ FULL_SUITE_ONLY = {
     "test_numerics.py::test_taps_inside_an_adaptive_gradient_see_each_call_once",
     "test_global_transforms.py::test_twin_run_matches_control_that_skips_explicitly",
     "test_flax_free_core.py::test_core_imports_and_trains_without_flax",
-    # same-step scales in stacks: the forward and reversed chain stay in the fast tier,
-    # with the analysis's hand-written cases and the plain and vmapped loss
+    # same-step scales in stacks: the scanned transformer (the forward and reversed
+    # chains stay in the fast tier, FAST_TIER_KEEPS, with the analysis's hand-written
+    # cases)
     "test_live.py::test_a_scanned_transformer_decides_inside_each_block_as_its_unrolled_twin",
     # the GPTs whose loss cast flushes (the MLP's root-at-the-cast test and the scanned
     # e4m3 GPT's step-0-only test stay), the fp8 peers' scanned twins (their plain

@@ -319,6 +319,13 @@ MUTATIONS = {
         ["tests/test_live.py"],
         "a chain counts a fan-in its first layer reads as touching it, and keeps the plan "
         "after a stream"),
+    "stacked-parameter-conversions-dropped": (
+        "adaloss_jax/_stream.py",
+        "            params.append(Steps([of(region(u[s])) for s in range(len(u))]))",
+        "            params.append(None)",
+        ["tests/test_live.py"],
+        "a stacked parameter read per layer in a fan-in of its layer is unscaled at its "
+        "own slot's scale (mutmut's survivor _stream.x_analyse__mutmut_223, seed 131)"),
     "ways-in-parameters-unchecked": (
         "adaloss_jax/_live.py",
         "    for k, (a, b), convert in [*outside, *_param_sites(params)]:",

@@ -1167,6 +1167,46 @@ def test_a_root_parameter_read_where_nothing_decides_anchors_its_region(around):
     _exact_under_random_priors(loss, params, (jnp.asarray(_X[:4, :3]),), 17, -8, 16)
 
 
+class _ReadsItsParts(nn.Module):
+    """A scanned layer of two Dense layers that reads both their biases again in its own
+    code, after their calls: that region is a fan-in of the two, per layer, so every
+    parameter of the layer converts from its own slot into the layer's fan-in."""
+
+    @nn.compact
+    def __call__(self, x, _):
+        first, second = nn.Dense(8), nn.Dense(8)
+        h = jnp.tanh(second(jnp.tanh(first(x))))
+        return h + first.variables["params"]["bias"] * second.variables["params"]["bias"], None
+
+
+def test_a_stacked_parameter_read_in_its_layers_fan_in_converts_per_layer():
+    """A stacked parameter read in a region that another group's parameters anchor too,
+    in every layer of a scanned stack: its conversion names, layer by layer, its own
+    slot and that layer's fan-in (a :class:`~adaloss_jax._stream.Steps` on both sides),
+    and the gradients are exact against fp32 under random priors (a stacked parameter
+    read at another scale than its own unscaled at its own is off by their ratio)."""
+
+    class Model(nn.Module):
+        @nn.compact
+        def __call__(self, x):
+            stack = nn.scan(_ReadsItsParts, variable_axes={"params": 0},
+                            split_rngs={"params": True}, length=3)
+            return nn.Dense(4)(stack()(nn.Dense(8)(x), None)[0])
+
+    x = jnp.asarray(_X[:4, :3])
+    params, loss = _classified(Model(), x)
+    program = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1]
+    paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
+    fan_in = Steps([(Layer("Scan_ReadsItsParts_0/Dense_0", i),
+                     Layer("Scan_ReadsItsParts_0/Dense_1", i)) for i in range(3)])
+    for dense in ("Dense_0", "Dense_1"):
+        own = Steps([(s,) for s in layers(f"Scan_ReadsItsParts_0/{dense}", 3)])
+        for leaf in ("bias", "kernel"):
+            i = paths.index(f"['Scan_ReadsItsParts_0']['{dense}']['{leaf}']")
+            assert program.param_pairs[i] == (own, fan_in)
+    _exact_under_random_priors(loss, params, (x,), 19, -8, 16)
+
+
 class _TwoStacks(nn.Module):
     """Two stacks scanned one after the other, nothing between them: the first's last
     layer exits straight into the second's first. Each a chain (tanh layers) or a

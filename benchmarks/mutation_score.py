@@ -100,6 +100,10 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "closed_call, core_call, checkpoint and scan each hold one); the conds of other "
         "scopes are skipped by its scope test (only the top level's regions get branch "
         "deciders, all of scope ())"),
+    "adaloss_jax._state.x_initial_state__mutmut_78": (
+        "+        ceiling=GroupVector(groups, jnp.full((n,), jnp.inf, )),",
+        "jnp.full's default float dtype is float32 (jax_enable_x64 off, as the library "
+        "runs), the dtype it names"),
     "adaloss_jax._decide.x_measured__mutmut_257": (
         "+            full(stats.lost_amax, +jnp.inf, jnp.float32), jax.lax.pmax, axis_name),",
         "the fill of the groups absent from the step's statistics: the rule reads "

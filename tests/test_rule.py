@@ -538,7 +538,8 @@ def test_from_any_state_the_rule_applies_a_step_soon_and_never_returns_to_an_ove
         state, a, g, [_ACCIDENTS.index(x) for x in accidents], starved, knows))
     assert np.all(used == np.round(used))  # whole binades (_simulated's amax is exact)
     # Scales drawn up to 48 binades above any that fits, backing off log2(factor) = 4
-    # a step, then a step or two to learn headroom: 16 (the most seen in 1500 examples: 13).
+    # a step, then a step or two to learn headroom: 16 (the most seen in 1500 examples: 13;
+    # one draw since took 19, a known flaw: the strict xfail below).
     bound = 16
     since = 0
     overflowed_at = np.full(_N, np.inf)
@@ -550,6 +551,45 @@ def test_from_any_state_the_rule_applies_a_step_soon_and_never_returns_to_an_ove
         since = 0 if applied[i] else since + 1
         assert since <= bound, (since, a, g, margin)
         assert finite[i]
+
+
+@pytest.mark.xfail(strict=True, raises=AssertionError, reason=(
+    "known flaw (issue 29): the blind back-off and the escalation count every skip in a "
+    "row, underscaled refusals and forward-pass accidents included, so a wrong guess "
+    "sends groups to min_loss_scale and the climb back is refused max_rise at a time"))
+def test_a_run_of_refused_and_accidental_steps_does_not_delay_the_applied_step():
+    """Found by the property test above (e4m3, 2026-12-07): 19 steps, accidents not
+    counted, without an applied one, against its bound of 16. Three times every group but
+    one drops to 2**-24 at once after an overflow (the consecutive skips, which count
+    the refusals of underscaled steps and the accidents, escalate the blame or multiply
+    the blind back-off), and climbs back over steps that are not applied; the last time,
+    group b, lifted to 2**28, backs off 4 binades a step to 2**8 before a step applies.
+    Strict: when the rule is fixed this passes, and the mark must go."""
+    fmt = "float8_e4m3fn"
+    groups = ("", "a", "b", "c")
+    scaler = alj.adaptive(groups="module", grad_dtype=fmt, simulate=True)
+    state = alj.adaptive_unscale(scaler).init({k: {"w": jnp.zeros(3)} for k in groups if k})
+    vec = type(state.log2_scales)
+    state = state.with_log2_scales(dict(zip(groups, [-1, 6, -15, 0]))).replace(
+        log2_amax=vec(groups, jnp.asarray([-np.inf, -np.inf, -13.0, -np.inf])),
+        headroom=vec(groups, jnp.asarray([0.0, 1.0, 0.0, 6.0])),
+        ceiling=vec(groups, jnp.asarray([np.inf, np.inf, -7.0, np.inf])),
+        overflowed=vec(groups, jnp.asarray([False, True, False, False])),
+        base=state.base._replace(notfinite_count=jnp.int32(13)))
+    a, g = [-21, -22, -4, -27], [8, 8, 1, 6]
+    n, d, f = None, "data", "forward"
+    accidents = [n, f, n, n, n, n, d, f, d, f, d, n, n, n, n, f, n, f, n, n, n, n, f, f, n,
+                 n, n, f, n, n, n, f, d, d, n, n, d, n, n, n, n, d, n, f, n, d, d, d, f, n,
+                 n, n, n, f, n, d, f, n, d, n]
+    starved, knows = [True, True, False, False], [False, True, True, True]
+    _, _, applied, _ = (np.asarray(x) for x in _trajectories(fmt)(
+        state, a, g, [_ACCIDENTS.index(x) for x in accidents], starved, knows))
+    since = longest = 0
+    for i, accident in enumerate(accidents):
+        if accident is None:
+            since = 0 if applied[i] else since + 1
+            longest = max(longest, since)
+    assert longest <= 16
 
 
 def test_a_blind_jump_lifted_by_the_floor_does_not_return_to_an_overflow():

@@ -487,10 +487,6 @@ def _trajectories(fmt):
 
 
 def _random_state(data, fmt):
-    groups = ("", "a", "b", "c")
-    scaler = alj.adaptive(groups="module", grad_dtype=fmt, simulate=fmt != "float16")
-    state = alj.adaptive_unscale(scaler).init({k: {"w": jnp.zeros(3)} for k in groups if k})
-    vec = type(state.log2_scales)
     floats = lambda lo, hi: st.lists(st.integers(lo, hi), min_size=_N, max_size=_N)
     scales = data.draw(floats(-24, 40), label="scales")
     peaks = data.draw(st.lists(st.one_of(st.just(None), st.integers(-40, 4)),
@@ -498,9 +494,19 @@ def _random_state(data, fmt):
     room = data.draw(floats(0, 6), label="headroom")
     above = data.draw(st.lists(st.one_of(st.just(None), st.integers(1, 20)),
                                min_size=_N, max_size=_N), label="ceilings above scales")
-    ceil = [None if d is None else x + d for x, d in zip(scales, above)]
     over = data.draw(st.lists(st.booleans(), min_size=_N, max_size=_N), label="overflowed")
     count = data.draw(st.integers(0, 20), label="skips in a row")
+    return _state_of(fmt, scales, peaks, room, above, over, count)
+
+
+def _state_of(fmt, scales, peaks, room, above, over, count):
+    """A state of the root and three module groups as the property test draws it
+    (``None``: no held peak, no ceiling; a ceiling as binades above its scale)."""
+    groups = ("", "a", "b", "c")
+    scaler = alj.adaptive(groups="module", grad_dtype=fmt, simulate=fmt != "float16")
+    state = alj.adaptive_unscale(scaler).init({k: {"w": jnp.zeros(3)} for k in groups if k})
+    vec = type(state.log2_scales)
+    ceil = [None if d is None else x + d for x, d in zip(scales, above)]
     arr = lambda v, none: jnp.asarray([none if x is None else x for x in v], jnp.float32)
     state = state.with_log2_scales(dict(zip(groups, scales)))
     return state.replace(
@@ -566,16 +572,8 @@ def test_a_run_of_refused_and_accidental_steps_does_not_delay_the_applied_step()
     group b, lifted to 2**28, backs off 4 binades a step to 2**8 before a step applies.
     Strict: when the rule is fixed this passes, and the mark must go."""
     fmt = "float8_e4m3fn"
-    groups = ("", "a", "b", "c")
-    scaler = alj.adaptive(groups="module", grad_dtype=fmt, simulate=True)
-    state = alj.adaptive_unscale(scaler).init({k: {"w": jnp.zeros(3)} for k in groups if k})
-    vec = type(state.log2_scales)
-    state = state.with_log2_scales(dict(zip(groups, [-1, 6, -15, 0]))).replace(
-        log2_amax=vec(groups, jnp.asarray([-np.inf, -np.inf, -13.0, -np.inf])),
-        headroom=vec(groups, jnp.asarray([0.0, 1.0, 0.0, 6.0])),
-        ceiling=vec(groups, jnp.asarray([np.inf, np.inf, -7.0, np.inf])),
-        overflowed=vec(groups, jnp.asarray([False, True, False, False])),
-        base=state.base._replace(notfinite_count=jnp.int32(13)))
+    state = _state_of(fmt, [-1, 6, -15, 0], [None, None, -13, None], [0, 1, 0, 6],
+                      [None, None, 8, None], [False, True, False, False], 13)
     a, g = [-21, -22, -4, -27], [8, 8, 1, 6]
     n, d, f = None, "data", "forward"
     accidents = [n, f, n, n, n, n, d, f, d, f, d, n, n, n, n, f, n, f, n, n, n, n, f, f, n,

@@ -165,6 +165,8 @@ FAST_TIER_KEEPS = {
     "test_live.py::test_an_rnn_under_a_transformation_around_the_model_stays_exact":
         ("gru-vmap", "gru-cond", "gru-shard_map_untyped", "olstm-remat"),
     "test_live.py::test_an_rnn_computing_in_float16_gets_float32s_gradients": ("gru", "olstm"),
+    "test_live.py::test_a_stacked_parameter_read_in_its_layers_fan_in_converts_per_layer":
+        ("none", "cond"),
     "test_live_warmup.py::test_a_scanned_stacks_stream_decides_in_the_pass_and_skips_nothing":
         ("_HighwayScan-float8_e4m3fn-0", "_ResidualScan-float8_e4m3fn--20",
          "one-layer-gpt-float8_e4m3fn-0", "wrapped-gpt-float8_e4m3fn-0"),

@@ -1179,12 +1179,16 @@ class _ReadsItsParts(nn.Module):
         return h + first.variables["params"]["bias"] * second.variables["params"]["bias"], None
 
 
-def test_a_stacked_parameter_read_in_its_layers_fan_in_converts_per_layer():
+@pytest.mark.filterwarnings("ignore:adaloss_jax. same-step scales .same_step, on by")  # (under
+# the shard_map: nothing decides)
+@pytest.mark.parametrize("around", ["none", "vmap", "remat", "cond", "shard_map_untyped"])
+def test_a_stacked_parameter_read_in_its_layers_fan_in_converts_per_layer(around):
     """A stacked parameter read in a region that another group's parameters anchor too,
     in every layer of a scanned stack: its conversion names, layer by layer, its own
     slot and that layer's fan-in (a :class:`~adaloss_jax._stream.Steps` on both sides),
     and the gradients are exact against fp32 under random priors (a stacked parameter
-    read at another scale than its own unscaled at its own is off by their ratio)."""
+    read at another scale than its own unscaled at its own is off by their ratio), with
+    ``around`` around the whole model."""
 
     class Model(nn.Module):
         @nn.compact
@@ -1194,15 +1198,18 @@ def test_a_stacked_parameter_read_in_its_layers_fan_in_converts_per_layer():
             return nn.Dense(4)(stack()(nn.Dense(8)(x), None)[0])
 
     x = jnp.asarray(_X[:4, :3])
-    params, loss = _classified(Model(), x)
+    params, loss = _classified(Model(), x, around)
     program = alj._grad.trace(loss, SAME_STEP, params, (x,), {})[1]
     paths = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_leaves_with_path(params)]
-    fan_in = Steps([(Layer("Scan_ReadsItsParts_0/Dense_0", i),
-                     Layer("Scan_ReadsItsParts_0/Dense_1", i)) for i in range(3)])
-    for dense in ("Dense_0", "Dense_1"):
-        own = Steps([(s,) for s in layers(f"Scan_ReadsItsParts_0/{dense}", 3)])
+    names = ("Scan_ReadsItsParts_0/Dense_0", "Scan_ReadsItsParts_0/Dense_1")
+    sliced = set(names) <= program.plan.stacked  # (else each Dense is one group: the
+    # plan keeps a stack whole inside a cond or a shard_map)
+    assert sliced == (around in ("none", "vmap", "remat"))
+    fan_in = Steps([tuple(Layer(n, i) for n in names) for i in range(3)]) if sliced else names
+    for dense in names:
+        own = Steps([(s,) for s in layers(dense, 3)]) if sliced else (dense,)
         for leaf in ("bias", "kernel"):
-            i = paths.index(f"['Scan_ReadsItsParts_0']['{dense}']['{leaf}']")
+            i = paths.index(f"['Scan_ReadsItsParts_0']['{dense.split('/')[1]}']['{leaf}']")
             assert program.param_pairs[i] == (own, fan_in)
     _exact_under_random_priors(loss, params, (x,), 19, -8, 16)
 

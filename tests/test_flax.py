@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import types
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,6 +60,23 @@ def linen_loss(params, apply_fn, x, y, bad):
 @jax.jit
 def linen_step(state, x, y, bad):
     return linen_train_step(state, linen_loss, state.apply_fn, x, y, bad)
+
+
+class _RollbackState(TrainState):
+    previous: object = None  # an optimizer state to roll back to
+
+
+def test_a_train_state_stands_for_its_opt_state():
+    """``scale_state`` and the diagnostics read a ``TrainState`` (or any object with an
+    ``opt_state``) by its ``opt_state``: one that keeps a second optimizer state in
+    another field (a copy to roll back to), and a plain holder that is no pytree."""
+    state = _RollbackState.create(apply_fn=None, params={"w": jnp.zeros(3)},
+                                  tx=optax.sgd(0.1), scaler=alj.dynamic(initial_scale=INITIAL))
+    state = state.replace(previous=jax.tree_util.tree_map(jnp.copy, state.opt_state))
+    assert alj.scale_state(state) is alj.scale_state(state.opt_state)
+    holder = types.SimpleNamespace(opt_state=state.opt_state, step=0)
+    assert alj.scale_state(holder) is alj.scale_state(state.opt_state)
+    assert alj.diagnostics.status_line(holder).startswith("applied | scale 2^10 |")
 
 
 def test_linen_train_step_skips_and_counts():

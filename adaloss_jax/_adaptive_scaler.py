@@ -65,8 +65,9 @@ class AdaptiveScale:
     ``retries``               ``0``             passes a step may take again, at the
                                                 scales its statistics set, before it is
                                                 skipped (``4``: step 0 applied too)
-    ``max_consecutive_skips`` ``16``            skipped steps in a row before ``health``
-                                                flags them
+    ``max_consecutive_skips`` ``16``            non-finite steps in a row before
+                                                ``health`` flags them (and, where no
+                                                group is blamed, every group is)
     ``max_depth``             ``None``          scale points only around modules this
                                                 deep (``1``: one scale per block)
     ``filter``                ``None``          ``(path, module) -> bool``: modules to scale
@@ -152,7 +153,9 @@ class AdaptiveScale:
         pass, and even when there is none the loop costs compile time and, on a GPU, a
         read of its condition on the host that splits the step's command buffer (the
         measured costs: ``docs/results.md``, section 6).
-      max_consecutive_skips: ``K``: after ``K`` skipped steps in a row ``health`` says so.
+      max_consecutive_skips: ``K``: after ``K`` steps in a row whose loss or gradients
+        were not finite ``health`` says so, and where no group's overflow explains
+        them every group backs off (a refused finite step ends the run).
       max_depth: scale points go only around calls of modules nested at most this deep
         (``"Block_0"`` is at depth 1, ``"Block_0/attn"`` at 2); a deeper module's
         parameters join its enclosing module's group. ``None``: every module.

@@ -34,7 +34,9 @@ class LossScaleState(NamedTuple):
       finite_count: consecutive applied steps since the scale last changed
         (jmp ``counter``, flax ``fin_steps``, torch ``_growth_tracker``).
       hysteresis_left: gradient overflows still tolerated before the scale backs off.
-      notfinite_count: consecutive skipped steps (any cause).
+      notfinite_count: consecutive steps whose loss or gradients were not finite (a
+        global scaler skips exactly those; an adaptive scaler's refusal of a finite
+        step computed far below its scale is skipped but ends the run).
       total_applied: steps whose update was applied.
       total_skipped: steps skipped (gradient overflow or non-finite loss).
       total_nonfinite_loss: of ``total_skipped``, those whose *loss* was non-finite.
@@ -73,12 +75,16 @@ def counters(scale: float, hysteresis: int) -> LossScaleState:
     )
 
 
-def count_step(state: LossScaleState, grads_finite, loss_finite) -> LossScaleState:
-    """Updates the step counters; the scale fields are left to the scaler."""
-    applied = jnp.logical_and(grads_finite, loss_finite)
+def count_step(state: LossScaleState, grads_finite, loss_finite,
+               refused=False) -> LossScaleState:
+    """Updates the step counters; the scale fields are left to the scaler. ``refused``:
+    the step was finite but is not applied (an adaptive scaler's verdict): it counts as
+    skipped, and ends a run of non-finite steps as an applied step does."""
+    finite = jnp.logical_and(grads_finite, loss_finite)
+    applied = jnp.logical_and(finite, jnp.logical_not(refused))
     skipped = jnp.logical_not(applied)
     return state._replace(
-        notfinite_count=jnp.where(applied, 0, state.notfinite_count + 1),
+        notfinite_count=jnp.where(finite, 0, state.notfinite_count + 1),
         total_applied=state.total_applied + applied.astype(jnp.int32),
         total_skipped=state.total_skipped + skipped.astype(jnp.int32),
         total_nonfinite_loss=state.total_nonfinite_loss

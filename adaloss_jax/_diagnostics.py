@@ -125,12 +125,12 @@ def status_line(tree: Any, *, warn: bool = True) -> str:
         of skipped steps is not silent in a loop that logs this line.
 
     Returns:
-      A line such as ``applied | scale 2^3..2^14 (3 groups) | skipped 1/41, 0 in a row |
-      retried 2 | ok``.
+      A line such as ``applied | scale 2^3..2^14 (3 groups) | skipped 1/41, 0
+      non-finite in a row | retried 2 | ok``.
 
     >>> import adaloss_jax as alj
     >>> alj.diagnostics.status_line(alj.dynamic(initial_scale=2.0**10).init())
-    'applied | scale 2^10 | skipped 0/0, 0 in a row | ok'
+    'applied | scale 2^10 | skipped 0/0, 0 non-finite in a row | ok'
     """
     st, rows = _groups(tree)
     scales = [s for g, s, _, _ in rows if g] or [s for _, s, _, _ in rows]
@@ -140,7 +140,8 @@ def status_line(tree: Any, *, warn: bool = True) -> str:
         span += f" ({len(scales)} group{'s' * (len(scales) != 1)})"
     applied, skipped = int(st.total_applied), int(st.total_skipped)
     parts = ["applied" if bool(st.last_applied) else "SKIPPED", f"scale {span}",
-             f"skipped {skipped}/{applied + skipped}, {int(st.notfinite_count)} in a row"]
+             f"skipped {skipped}/{applied + skipped}, "
+             f"{int(st.notfinite_count)} non-finite in a row"]
     if isinstance(st, AdaptiveScaleState) and int(st.total_retries):
         parts.append(f"retried {int(st.total_retries)}")
     problems = check_health(tree, warn=warn)
@@ -150,7 +151,7 @@ def status_line(tree: Any, *, warn: bool = True) -> str:
 
 _HEALTH_TEXT = {
     Health.SKIPPING: (
-        "{k}+ steps in a row were skipped. If the loss is finite, something non-finite "
+        "{k}+ steps in a row were not finite. If the loss is finite, something non-finite "
         "appears in the backward pass at any scale (log or sqrt of 0, inf * 0, a division "
         "by 0): find it with adaloss_jax.diagnostics.check_gradients or jax.debug_nans; "
         "scaling cannot fix it."
@@ -187,7 +188,7 @@ def check_health(tree: Any, *, warn: bool = True) -> list[str]:
     """What the scaler state says is wrong, with the fix.
 
     An adaptive state's ``health`` bits are explained; a global scaler's state is judged
-    by its run of skipped steps (16 in a row, the adaptive default).
+    by its run of skipped steps, all non-finite (16 in a row, the adaptive default).
 
     Args:
       tree: anything holding a scaler state (see :func:`adaloss_jax.scale_state`).

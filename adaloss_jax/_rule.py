@@ -106,14 +106,15 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                   next finite statistics its scale only falls, or jumps blind halfway
                   to c_k
         s_k     = u_k - log2(factor)        (k had a held peak)
-        s_k     = u_k - log2(factor) * 2**n (no peak yet: n skipped steps in a row, at
-                  most 4, if k also overflowed at the previous step, else 0)
+        s_k     = u_k - log2(factor) * 2**n (no peak yet: n non-finite steps in a row,
+                  at most 4, if k also overflowed at the previous one, else 0)
         s_k     = u_k - log2(factor)   for every other group that received only
                   non-finite values (the overflow hid its statistics: all of them back
-                  off at once, not one group a step); after max_consecutive_skips skips
-                  in a row they are blamed too
+                  off at once, not one group a step); after max_consecutive_skips
+                  non-finite steps in a row with no group blamed, every group is blamed
         s_k     = s_k(previous)   if the loss was not finite (a forward overflow: no
-                  scale can fix it), or k received non-finite values nobody overflowed at
+                  scale can fix it; c_k, h_k and whether k overflowed are kept too), or
+                  k received non-finite values nobody overflowed at
 
         at k's next finite measurement below its ceiling (the growth inside the module
         that its boundary statistics miss is learned against statistics of the same
@@ -138,8 +139,12 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     same statistics (for 256 applied steps per learned binade), and one overflow backs
     off every group it hid.
 
-    Skipped steps count in ``base`` as the global scalers' do, and ``health`` flags a
-    run that cannot recover (see :class:`~adaloss_jax.AdaptiveScaleState`).
+    Skipped steps count in ``base`` as the global scalers' do. A step refused as
+    underscaled (or with nothing measured) was finite: it is skipped, and it ends the
+    run of non-finite steps (``notfinite_count``) that the harder back-off and the
+    escalation read, so a refusal after a wrong guess is not paid for as another
+    overflow. ``health`` flags a run that cannot recover (see
+    :class:`~adaloss_jax.AdaptiveScaleState`).
     """
     cfg = state.scaler
     fmt = cfg.format
@@ -162,10 +167,13 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
 
     held = unit if cfg.decay == math.inf else jnp.maximum(unit, prev_amax - cfg.decay)
     stat_t = jnp.maximum(jnp.floor(log2_max - cfg.margin - held), floor)
-    escalate = base.notfinite_count >= cfg.max_consecutive_skips
     # Non-finite parameter gradients that no cotangent statistic explains blame their
     # own groups.
     blamed = m.bad | (m.param_nonfinite & ~jnp.any(act & m.bad))
+    # Non-finite steps in a row that no group is blamed for: every group is (a group
+    # an overflow hid already backs off with it, and blaming it too would multiply
+    # its next drop).
+    escalate = (base.notfinite_count >= cfg.max_consecutive_skips) & ~jnp.any(act & blamed)
     bad = act & (blamed | (escalate & ~m.grads_finite))
     # A group that only received non-finite values was hidden by an overflow elsewhere:
     # it backs off with it (its statistics are lost), or holds when nothing overflowed.
@@ -239,7 +247,8 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     keep = ~m.loss_finite
     room = jnp.where(keep, state.headroom.array, room)
     ceiling = jnp.where(keep, state.ceiling.array, ceiling)
-    new_base = _common.count_step(base, m.grads_finite & measured & ~underscaled, m.loss_finite)
+    new_base = _common.count_step(base, m.grads_finite, m.loss_finite,
+                                  refused=~measured | underscaled)
     new_base = new_base._replace(loss_scale=_formats.pow2(new_log2[0]))
     health = (jnp.where(new_base.notfinite_count >= cfg.max_consecutive_skips,
                         Health.SKIPPING, 0)
@@ -268,7 +277,8 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
         base=new_base,
         log2_scales=GroupVector(names, _computed_once(new_log2), split=True),
         log2_amax=GroupVector(names, peak.astype(jnp.float32)),
-        overflowed=GroupVector(names, jnp.where(act, bad, state.overflowed.array)),
+        overflowed=GroupVector(names, jnp.where(act & m.loss_finite, bad,
+                                                state.overflowed.array)),
         headroom=GroupVector(names, room.astype(jnp.float32)),
         ceiling=GroupVector(names, ceiling.astype(jnp.float32)),
         health=health,

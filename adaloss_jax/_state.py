@@ -33,7 +33,7 @@ class Health(enum.IntFlag):
     <Health.SKIPPING|PINNED_LOW: 3>
     """
 
-    SKIPPING = 1  # at least max_consecutive_skips skipped steps in a row
+    SKIPPING = 1  # at least max_consecutive_skips non-finite steps in a row
     PINNED_LOW = 2  # a group overflowed at min_loss_scale
     NOTHING_MEASURED = 4  # a group measured nothing at max_loss_scale
     FOREIGN_GRADS = 8  # tx.update got other gradients than its scale_stats came with
@@ -99,7 +99,8 @@ class AdaptiveScaleState:
       total_retries: int32, passes the gradient function took again inside a step
         (``AdaptiveScale.retries``) over the run.
       health: int32 bit set of :class:`Health`, 0 when all is well: ``SKIPPING`` (at
-        least ``max_consecutive_skips`` skipped steps in a row), ``PINNED_LOW`` (a group
+        least ``max_consecutive_skips`` non-finite steps in a row: their loss or
+        gradients were not finite), ``PINNED_LOW`` (a group
         overflowed at ``min_loss_scale``), ``NOTHING_MEASURED`` (a group measured
         nothing at ``max_loss_scale``), ``SPAN`` (one global scale, held down by the
         largest gradients, flushed a module's cotangent entirely), ``FOREIGN_GRADS``

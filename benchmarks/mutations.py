@@ -368,6 +368,25 @@ MUTATIONS = {
         "        keep_peak = keep_peak",
         ["tests/test_rule.py"],
         "a starved group's partial statistics bound its next same-step choices"),
+    "refusal-counted-as-nonfinite": (
+        "adaloss_jax/_common.py",
+        "        notfinite_count=jnp.where(finite, 0, state.notfinite_count + 1),",
+        "        notfinite_count=jnp.where(applied, 0, state.notfinite_count + 1),",
+        ["tests/test_rule.py"],
+        "a refused finite step extends the run of non-finite steps (the blind back-off "
+        "and the escalation read it)"),
+    "escalation-blames-beside-a-blamed-group": (
+        "adaloss_jax/_rule.py",
+        "cfg.max_consecutive_skips) & ~jnp.any(act & blamed)",
+        "cfg.max_consecutive_skips)",
+        ["tests/test_rule.py"],
+        "past K non-finite steps the groups an overflow hid are blamed with it"),
+    "forward-overflow-marks-overflowed": (
+        "adaloss_jax/_rule.py",
+        "        overflowed=GroupVector(names, jnp.where(act & m.loss_finite, bad,",
+        "        overflowed=GroupVector(names, jnp.where(act, bad,",
+        ["tests/test_rule.py"],
+        "a forward overflow, which moves no scale, rewrites which groups overflowed"),
     "global-peak-is-span-flag": (
         "adaloss_jax/_rule.py",
         "        as_high = top >= log2_max - cfg.margin - 1\n",

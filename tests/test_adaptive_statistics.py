@@ -1,5 +1,6 @@
 """Adaptive scaling options: the quantile statistic and recomputing every F steps."""
 
+import dataclasses
 import functools
 import math
 
@@ -311,27 +312,34 @@ def test_default_decay(dtype, groups, decay):
 
 def test_after_max_consecutive_skips_every_group_backs_off():
     """Overflow is blamed where it started; a group that only received non-finite values
-    (its statistics hidden by that overflow) backs off with it by the plain backoff. When
-    K skips in a row show that blame is not fixing it, every non-finite group is blamed
-    (the recovery one global scale would make)."""
+    (its statistics hidden by that overflow) backs off with it by the plain backoff,
+    however long the run. When K non-finite steps in a row show values no group's
+    overflow explains, every non-finite group is blamed (the recovery one global scale
+    would make)."""
     params = {"params": {k: {"w": jnp.zeros((3,))} for k in "ab"}}
     scaler = alj.adaptive(groups="module", max_consecutive_skips=2, factor=2.0)
     tx = alj.adaptive_unscale(scaler)
     update = jax.jit(functools.partial(tx.update, params=None))
-    state = tx.init(params)
-    state = state.with_log2_scales({g: 10 for g in state.log2_scales})
-    b_scales = []
-    for _ in range(4):
-        rows = {"": (1.0, 0.0, 8.0, False), "a": (math.inf, 0.0, 8.0, True),
-                "b": (math.inf, 0.0, 8.0, False)}
-        _, state = update(params, state, scale_stats=known_stats(state, rows))
-        b_scales.append(float(state.log2_scales["b"]))
-    assert int(state.base.total_skipped) == 4
-    # b backs off by backoff with each overflow that hid it; after K skips it is blamed,
-    # and with no measured peak it backs off by backoff * 2**min(n, 4) while it keeps
-    # overflowing (n: skips in a row).
-    assert b_scales == [9.0, 8.0, 7.0, 7.0 - 2**3]
-    assert int(state.health) & Health.SKIPPING
+    start = tx.init(params)
+    start = start.with_log2_scales({g: 10 for g in start.log2_scales})
+    for a_overflows, expected in [(True, [9.0, 8.0, 7.0, 6.0]),
+                                  (False, [10.0, 10.0, 9.0, 1.0])]:
+        state, b_scales = start, []
+        for _ in range(4):
+            rows = {"": (1.0, 0.0, 8.0, False), "a": (math.inf, 0.0, 8.0, a_overflows),
+                    "b": (math.inf, 0.0, 8.0, False)}
+            stats = known_stats(state, rows)  # (a NaN nobody overflowed at: non-finite)
+            stats = dataclasses.replace(stats, nonfinite=jnp.asarray(True))
+            _, state = update(params, state, scale_stats=stats)
+            b_scales.append(float(state.log2_scales["b"]))
+        assert int(state.base.total_skipped) == 4
+        # b backs off by backoff with each overflow that hid it, and is never blamed for
+        # it; with nobody to blame it holds for K steps, then it is blamed, and backs off
+        # by backoff, then, with no measured peak, by backoff * 2**min(n, 4) (n: the
+        # non-finite steps in a row, 3).
+        assert b_scales == expected, a_overflows
+        assert bool(state.overflowed["b"]) == (not a_overflows)
+        assert int(state.health) & Health.SKIPPING
 
 
 def test_a_group_blamed_first_backs_off_by_factor_alone():

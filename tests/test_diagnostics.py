@@ -34,12 +34,12 @@ def test_a_global_state_is_one_row_and_reads_like_an_adaptive_one():
     st = alj.dynamic(initial_scale=2.0**10).init()
     assert [r.split()[0] for r in scale_table(st, legend=False).splitlines()[1:]] == [
         "(root)"]
-    assert status_line(st) == "applied | scale 2^10 | skipped 0/0, 0 in a row | ok"
+    assert status_line(st) == "applied | scale 2^10 | skipped 0/0, 0 non-finite in a row | ok"
     assert status_line(_state()).startswith("applied | scale 2^15 (")  # (fp16's start)
 
 
 @pytest.mark.parametrize("flag,text", [
-    (Health.SKIPPING, "steps in a row were skipped"),
+    (Health.SKIPPING, "steps in a row were not finite"),
     (Health.PINNED_LOW, "overflowed at min_loss_scale"),
     (Health.NOTHING_MEASURED, "nothing was measured at max_loss_scale"),
     (Health.SPAN, "one global scale cannot hold"),
@@ -60,4 +60,4 @@ def test_each_health_flag_is_explained_once_per_process(flag, text, monkeypatch)
 def test_two_flags_give_two_messages_in_flag_order():
     st = _state().replace(health=jnp.asarray(int(Health.SPAN | Health.SKIPPING), jnp.int32))
     msgs = check_health(st, warn=False)
-    assert len(msgs) == 2 and "skipped" in msgs[0] and "one global scale" in msgs[1]
+    assert len(msgs) == 2 and "not finite" in msgs[0] and "one global scale" in msgs[1]

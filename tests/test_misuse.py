@@ -403,25 +403,26 @@ def test_the_status_line_says_applied_scales_skips_and_health():
         groups="module", retries=0, initial_scale=1.0, same_step=False))
     state = tx.init(PARAMS)
     line = alj.diagnostics.status_line(state)
-    assert line.startswith("applied | scale 2^0 (2 groups) | skipped 0/0, 0 in a row")
-    # step 0 at scale 1 (the delayed rule's: the step is not rescaled), skipped, scales set
+    assert line.startswith("applied | scale 2^0 (2 groups) | skipped 0/0, 0 non-finite in a row")
+    # step 0 at scale 1 (the delayed rule's: the step is not rescaled), skipped, scales
+    # set: refused as underscaled, a finite step, so no non-finite run
     params, state = _step(tx)(PARAMS, state)
     line = alj.diagnostics.status_line(state)
     lo = min(v for g, v in alj.diagnostics.scale_summary(state)["log2_group_scales"].items() if g)
     hi = max(v for g, v in alj.diagnostics.scale_summary(state)["log2_group_scales"].items() if g)
     assert line.startswith(f"SKIPPED | scale 2^{lo:g}..2^{hi:g} (2 groups) | skipped 1/1, "
-                           f"1 in a row")
+                           f"0 non-finite in a row")
     assert line.endswith("| ok")
     glob = alj.loss_scaled(optax.sgd(0.1), alj.dynamic(initial_scale=2.0**15))
     assert alj.diagnostics.status_line(glob.init(PARAMS)) == (
-        "applied | scale 2^15 | skipped 0/0, 0 in a row | ok")
+        "applied | scale 2^15 | skipped 0/0, 0 non-finite in a row | ok")
 
 
 def test_a_run_of_skipped_steps_warns_from_the_status_line():
     state = alj.scale_state(alj.adaptive_unscale(MODULE).init(PARAMS))
     state = state.replace(health=jnp.int32(1),
                           base=state.base._replace(notfinite_count=jnp.int32(16)))
-    with pytest.warns(RuntimeWarning, match="16\\+ steps in a row were skipped"):
+    with pytest.warns(RuntimeWarning, match="16\\+ steps in a row were not finite"):
         line = alj.diagnostics.status_line(state)
     assert line.endswith("1 problem(s): see check_health")
     with warnings.catch_warnings():

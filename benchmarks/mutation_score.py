@@ -100,6 +100,10 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "closed_call, core_call, checkpoint and scan each hold one); the conds of other "
         "scopes are skipped by its scope test (only the top level's regions get branch "
         "deciders, all of scope ())"),
+    "adaloss_jax._channel.x_convert_param__mutmut_6": (
+        "+    cfg = PointConfig(None, convert=True, measure=False, y_max=inf, x_max=inf)",
+        "a parameter conversion measures nothing (measure=False): its backward pass "
+        "returns before measure(), the only reader of a PointConfig's columns"),
     "adaloss_jax._state.x_initial_state__mutmut_78": (
         "+        ceiling=GroupVector(groups, jnp.full((n,), jnp.inf, )),",
         "jnp.full's default float dtype is float32 (jax_enable_x64 off, as the library "

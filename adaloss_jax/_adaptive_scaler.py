@@ -67,7 +67,8 @@ class AdaptiveScale:
                                                 skipped (``4``: step 0 applied too)
     ``max_consecutive_skips`` ``16``            non-finite steps in a row before
                                                 ``health`` flags them (and, where no
-                                                group is blamed, every group is)
+                                                group's overflow explains them, every
+                                                group backs off)
     ``max_depth``             ``None``          scale points only around modules this
                                                 deep (``1``: one scale per block)
     ``filter``                ``None``          ``(path, module) -> bool``: modules to scale

@@ -104,6 +104,10 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "+    cfg = PointConfig(None, convert=True, measure=False, y_max=inf, x_max=inf)",
         "a parameter conversion measures nothing (measure=False): its backward pass "
         "returns before measure(), the only reader of a PointConfig's columns"),
+    "adaloss_jax._apply.xǁProgramǁ_over_time__mutmut_18": (
+        "+    zero = jnp.zeros((), )",
+        "jnp.zeros' default float dtype is float32 (jax_enable_x64 off, as the library "
+        "runs), the dtype it names"),
     "adaloss_jax._state.x_initial_state__mutmut_78": (
         "+        ceiling=GroupVector(groups, jnp.full((n,), jnp.inf, )),",
         "jnp.full's default float dtype is float32 (jax_enable_x64 off, as the library "

@@ -133,7 +133,12 @@ def test_statistics_of_another_state_are_refused_naming_what_differs():
         _step(module)(PARAMS, module.init(PARAMS), global_.init(PARAMS))
     msg = str(e.value)
     assert "groups='global' (statistics) vs 'module' (state)" in msg
-    assert "(1 group) (statistics)" in msg and "(3 groups) (state)" in msg
+    assert ("groups [''] (1 group) (statistics) vs ['', 'mis_d', 'mis_h'] (3 groups) (state)"
+            in msg)
+    # a long list shows its first five groups
+    from adaloss_jax._adaptive import _short
+    assert _short(tuple("abcde")) == "['a', 'b', 'c', 'd', 'e'] (5 groups)"
+    assert _short(tuple("abcdef")) == "['a', 'b', 'c', 'd', 'e', ...] (6 groups)"
     # the same scaler and groups, but retries differ: the options are named
     other = alj.adaptive_scaled(optax.sgd(0.1), alj.adaptive(groups="module", retries=4))
     with pytest.raises(ValueError, match="retries=4 \\(statistics\\) vs 0 \\(state\\)"):

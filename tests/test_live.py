@@ -372,11 +372,13 @@ def test_a_chain_whose_output_two_modules_read_hands_its_final_token_to_their_fa
 
 
 @pytest.mark.parametrize("case", ["two converting points", "exit skips a layer",
-                                  "named after the scan", "tied parameter"])
+                                  "named after the scan", "tied parameter",
+                                  "converted into after the scan",
+                                  "converted into from another scope"])
 def test_a_stack_that_is_no_chain_keeps_the_plan(case):
     nxt = Steps([(Layer("s", 1),), (Layer("s", 2),), ("head",)])
     every = [_site("inp_out", ("inp",), (Layer("s", 0),)), ("exit", (_S, nxt), True)]
-    keys, params = {"exit"}, []
+    keys, params, top = {"exit"}, [], _top("inp_out", "after")
     if case == "two converting points":
         inner = Steps([(s,) for s in layers("t", 3)])
         every.append(("inner", (_S, inner), True))
@@ -385,10 +387,13 @@ def test_a_stack_that_is_no_chain_keeps_the_plan(case):
         every[1] = ("exit", (_S, Steps([(Layer("s", 2),), (Layer("s", 2),), ("head",)])), True)
     elif case == "named after the scan":
         every.append(_site("after", (Layer("s", 2),), ("",)))
-    else:
+    elif case == "tied parameter":
         params = [((Layer("s", 1),), ("head",))]
-    live = _live.analyse(every, _top("inp_out", "after"), params, None,
-                         scans=[_scan(keys, at=((), (0, 5)))])
+    else:  # a second conversion into the first layer, met once, but not earlier in the
+        # scan's scope: after the scan in it, or before it in the scope of another scan
+        every.append(_site("late", ("late",), (Layer("s", 0),)))
+        top.append(("late", _at(2) if case.endswith("after the scan") else _at(0, (7,))))
+    live = _live.analyse(every, top, params, None, scans=[_scan(keys, at=((), (0, 5)))])
     assert not live.chains and not {Layer("s", 0), Layer("s", 1), Layer("s", 2)} & set(live.groups)
 
 

@@ -535,7 +535,7 @@ def _random_state(data, fmt):
     above = data.draw(st.lists(st.one_of(st.just(None), st.integers(1, 20)),
                                min_size=_N, max_size=_N), label="ceilings above scales")
     over = data.draw(st.lists(st.booleans(), min_size=_N, max_size=_N), label="overflowed")
-    count = data.draw(st.integers(0, 20), label="skips in a row")
+    count = data.draw(st.integers(0, 20), label="non-finite steps in a row")
     return _state_of(fmt, scales, peaks, room, above, over, count)
 
 

@@ -76,7 +76,8 @@ class AdaptiveScale:
                                                 from the trace; a dtype: as ``dynamic()``'s
     ========================= ================= ==========================================
 
-    The rule each option enters is written out on :func:`adaloss_jax.adaptive_unscale`.
+    The rule each option enters is written out in the docs' concepts page ("The rule"),
+    in full in the docstring of ``adaloss_jax._rule.adjust``.
 
     Attributes:
       groups: ``"global"`` (one statistics-driven scale for everything, measured at
@@ -106,8 +107,10 @@ class AdaptiveScale:
         it), else ``1.0`` (an fp8 format holds too few binades for one guess to fit).
       min_loss_scale: lower bound of every scale (a power of two).
       max_loss_scale: upper bound of every scale (a power of two).
-      factor: a group that overflowed backs off by ``factor`` (a power of two > 1), and by
-        ``factor ** (2 ** n)`` after ``n`` consecutive overflows (``n`` capped at 4).
+      factor: a group that overflowed backs off by ``factor`` (a power of two > 1), and,
+        while nothing of it was measured yet (no held peak), by ``factor ** (2 ** n)``
+        where it overflowed at the step before too, ``n`` non-finite steps in a row
+        (capped at 4).
       max_rise: a step whose own statistics call for a scale more than ``max_rise``
         binades above the one a group's gradients were computed at (the first step at
         ``initial_scale``, a step after more than one backoff) is skipped: the scales

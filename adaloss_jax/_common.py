@@ -38,7 +38,8 @@ class LossScaleState(NamedTuple):
         global scaler skips exactly those; an adaptive scaler's refusal of a finite
         step computed far below its scale is skipped but ends the run).
       total_applied: steps whose update was applied.
-      total_skipped: steps skipped (gradient overflow or non-finite loss).
+      total_skipped: steps skipped (gradient overflow or non-finite loss; for an adaptive
+        scaler also a finite step refused as underscaled, or with nothing measured).
       total_nonfinite_loss: of ``total_skipped``, those whose *loss* was non-finite.
       last_applied: whether the most recent step was applied (bool scalar).
 

@@ -61,9 +61,10 @@ def scale_summary(tree: Any) -> dict:
 
     Returns:
       ``log2_group_scales`` (whole binades for the adaptive rule), ``log2_unit_amax``
-      (``log2`` of the largest gradient magnitude the group measured, taken back to scale
-      1, to 0.01; ``None``: nothing measured yet, and always for a global scaler, which
-      measures nothing) and ``overflowed`` (each ``{group: value}``, in model order, the
+      (the rule's held peak of ``log2`` of the largest gradient magnitude the group
+      measured, taken back to scale 1, to 0.01; ``None``: nothing measured yet, and
+      always for a global scaler, which measures nothing) and ``overflowed`` (the group
+      was blamed for an overflow at its last step; each ``{group: value}``, in model order, the
       root ``""`` first), and ``group_log2_min_med_max`` over the non-root groups (the
       root if it is alone).
 
@@ -87,9 +88,11 @@ def scale_summary(tree: Any) -> dict:
 
 TABLE_FOOTER = (
     "log2 scale: each group's gradients are computed at 2**(log2 scale) and divided by it.\n"
-    "log2 unit amax: log2 of the largest gradient magnitude the group measured at its last\n"
-    "statistics, taken back to scale 1 ('-': nothing measured yet; a global scaler measures\n"
-    "nothing). overflowed: the group's last statistics were not finite.")
+    "log2 unit amax: the peak the rule holds of log2 of the largest gradient magnitude the\n"
+    "group measured, taken back to scale 1 (it sinks `decay` binades a step below a new\n"
+    "measurement; '-': nothing measured yet; a global scaler measures nothing).\n"
+    "overflowed: the group was blamed for an overflow at its last step (one that only\n"
+    "received another group's non-finite values backs off with it, unblamed).")
 
 
 def scale_table(tree: Any, *, legend: bool = True) -> str:

@@ -88,7 +88,7 @@ REVERSED_CHAIN = (
 
 
 ACCUMULATED_OUTSIDE = (
-    "optax.MultiSteps wraps the scaler's transformation: it would accumulate *scaled* "
+    "optax.MultiSteps wraps the scaler's transformation: it would accumulate scaled "
     "gradients of microbatches computed at different scales and unscale their mean at the "
     "last one's (an overflow's inf would stay in its accumulator and skip every later "
     "window). Put the accumulation inside the scaling: "

@@ -110,7 +110,8 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                   at most 4, if k also overflowed at the previous one, else 0)
         s_k     = u_k - log2(factor)   for every other group that received only
                   non-finite values (the overflow hid its statistics: all of them back
-                  off at once, not one group a step); after max_consecutive_skips
+                  off at once, not one group a step; x 2**n as above where it has no
+                  peak yet and overflowed at the previous step); after max_consecutive_skips
                   non-finite steps in a row with no group blamed, every group is blamed
         s_k     = s_k(previous)   if the loss was not finite (a forward overflow: no
                   scale can fix it; c_k, h_k and whether k overflowed are kept too), or

@@ -35,7 +35,7 @@ class Health(enum.IntFlag):
 
     SKIPPING = 1  # at least max_consecutive_skips non-finite steps in a row
     PINNED_LOW = 2  # a group overflowed at min_loss_scale
-    NOTHING_MEASURED = 4  # a group measured nothing at max_loss_scale
+    NOTHING_MEASURED = 4  # nothing measured in the step, a group at max_loss_scale
     FOREIGN_GRADS = 8  # tx.update got other gradients than its scale_stats came with
     SPAN = 16  # one global scale flushed a module's cotangent entirely
 
@@ -100,12 +100,12 @@ class AdaptiveScaleState:
         (``AdaptiveScale.retries``) over the run.
       health: int32 bit set of :class:`Health`, 0 when all is well: ``SKIPPING`` (at
         least ``max_consecutive_skips`` non-finite steps in a row: their loss or
-        gradients were not finite), ``PINNED_LOW`` (a group
-        overflowed at ``min_loss_scale``), ``NOTHING_MEASURED`` (a group measured
-        nothing at ``max_loss_scale``), ``SPAN`` (one global scale, held down by the
-        largest gradients, flushed a module's cotangent entirely), ``FOREIGN_GRADS``
-        (the gradients handed to ``update`` were not the ones its ``scale_stats`` were
-        measured with).
+        gradients were not finite), ``PINNED_LOW`` (a group overflowed at
+        ``min_loss_scale``), ``NOTHING_MEASURED`` (nothing was measured in the step,
+        and a group sat at ``max_loss_scale``), ``SPAN`` (one global scale, held down
+        by the largest gradients, flushed a module's cotangent entirely),
+        ``FOREIGN_GRADS`` (the gradients handed to ``update`` were not the ones its
+        ``scale_stats`` were measured with).
         :func:`adaloss_jax.diagnostics.check_health` explains them.
       scaler: the :class:`~adaloss_jax.AdaptiveScale` the state was built with (static).
       fingerprint: the parameter paths, ranks and shapes the state was built for

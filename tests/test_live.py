@@ -374,7 +374,9 @@ def test_a_chain_whose_output_two_modules_read_hands_its_final_token_to_their_fa
 @pytest.mark.parametrize("case", ["two converting points", "exit skips a layer",
                                   "named after the scan", "tied parameter",
                                   "converted into after the scan",
-                                  "converted into from another scope"])
+                                  "converted into from another scope",
+                                  "converted into a later layer", "converted per layer",
+                                  "way in met twice", "way in outside the scopes"])
 def test_a_stack_that_is_no_chain_keeps_the_plan(case):
     nxt = Steps([(Layer("s", 1),), (Layer("s", 2),), ("head",)])
     every = [_site("inp_out", ("inp",), (Layer("s", 0),)), ("exit", (_S, nxt), True)]
@@ -389,10 +391,22 @@ def test_a_stack_that_is_no_chain_keeps_the_plan(case):
         every.append(_site("after", (Layer("s", 2),), ("",)))
     elif case == "tied parameter":
         params = [((Layer("s", 1),), ("head",))]
-    else:  # a second conversion into the first layer, met once, but not earlier in the
+    elif case in ("converted into after the scan", "converted into from another scope"):
+        # a second conversion into the first layer, met once, but not earlier in the
         # scan's scope: after the scan in it, or before it in the scope of another scan
         every.append(_site("late", ("late",), (Layer("s", 0),)))
         top.append(("late", _at(2) if case.endswith("after the scan") else _at(0, (7,))))
+    elif case == "converted into a later layer":  # before the scan, but not into the first
+        every.append(_site("side", ("side",), (Layer("s", 1),)))
+        top.append(("side", ((), (0, 1))))
+    elif case == "converted per layer":  # into the first layer from no whole region
+        every.append(_site("per", Steps([(t,) for t in layers("t", 3)]), (Layer("s", 0),)))
+        top.append(("per", ((), (0, 1))))
+    elif case == "way in met twice":
+        every.append(every[0])
+    else:
+        assert case == "way in outside the scopes"  # (no site of a scope's top level:
+        top = _top("after")  # nothing tells where it is met)
     live = _live.analyse(every, top, params, None, scans=[_scan(keys, at=((), (0, 5)))])
     assert not live.chains and not {Layer("s", 0), Layer("s", 1), Layer("s", 2)} & set(live.groups)
 

@@ -439,7 +439,8 @@ def test_the_table_explains_its_columns_and_shows_nothing_measured_as_a_dash():
     table = alj.diagnostics.scale_table(alj.dynamic().init())
     row = table.splitlines()[1].split()
     assert row == ["(root)", "15", "-", "False"]
-    assert "log2 unit amax: log2 of the largest gradient magnitude" in table
+    assert "log2 unit amax: the peak the rule holds of log2 of the largest gradient" in table
+    assert "overflowed: the group was blamed for an overflow at its last step" in table
     summary = alj.diagnostics.scale_summary(alj.dynamic().init())
     assert summary["log2_unit_amax"] == {"": None}
     tx = alj.adaptive_scaled(optax.sgd(0.1), MODULE)

@@ -181,6 +181,14 @@ def test_a_scan_over_time_carries_a_border_after_its_decider_to_the_next_step():
     assert live.needs == {"d_in": ("d", "s"), "d_out": ("s", "d")}
 
 
+def test_a_fan_in_is_an_anchor_set_of_several_groups_or_slots():
+    slot = Layer("s", 1)
+    assert _live.fan_in(("a", "b")) == ("a", "b") and _live.fan_in(("a", slot)) == ("a", slot)
+    for no in [("a",), (slot,), (), None, Steps([("a",), ("b",)]),
+               ("a", Layer("s", None))]:  # (a stacked group's own symbol is no slot)
+        assert _live.fan_in(no) is None, no
+
+
 def test_a_fan_in_decides_at_its_last_entry_and_its_other_exits_get_tokens():
     # q and k read one value (anchors (k, q)); their exits convert into it. k's input
     # point, last in the forward order, is the first the backward pass meets.

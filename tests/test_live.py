@@ -8,6 +8,7 @@ import dataclasses
 import functools
 import math
 import re
+from collections import Counter
 
 import jax
 import jax.numpy as jnp
@@ -112,6 +113,19 @@ def test_a_cond_nested_in_another_branch_than_the_last_entrys_decides_too():
     assert live.needs == {"b_in": ("b",)}
 
 
+def test_a_cond_before_the_last_entry_adds_no_decider():
+    # b is called in both branches of a cond at position 1, then once more in a cond at
+    # position 3: that last entry decides alone. The first cond is not around it (its
+    # branches ran before it): their calls are on the border, and get tokens.
+    out = lambda k: _site(k, ("b",), ("",))  # noqa: E731
+    every = [_site("b_in", ("",), ("b",)), out("early0"), out("early1"), out("last")]
+    top = [("b_in", ((), (0,))), ("early0", ((), (1, 0, 0))), ("early1", ((), (1, 1, 0))),
+           ("last", ((), (3, 0, 0)))]
+    live = _live.analyse(every, top, [], None, conds=frozenset({((), (1,)), ((), (3,))}))
+    assert live.deciders == {"last": "b"}
+    assert live.needs == {k: ("b",) for k in ("b_in", "early0", "early1")}
+
+
 def _time(*keys):
     """A scan over time (id 7) at position 1 whose body holds ``keys``, in that order."""
     return _live.Recur(7, _at(1), frozenset(keys), tuple(_top(*keys, scope=("time", 0))))
@@ -187,6 +201,14 @@ def test_a_fan_in_is_an_anchor_set_of_several_groups_or_slots():
     for no in [("a",), (slot,), (), None, Steps([("a",), ("b",)]),
                ("a", Layer("s", None))]:  # (a stacked group's own symbol is no slot)
         assert _live.fan_in(no) is None, no
+
+
+def test_a_single_group_is_a_one_group_anchor_set_and_nothing_else():
+    slot = Layer("s", 1)
+    assert _live.single(("a",)) == "a" and _live.single((slot,)) == slot
+    # (a one-layer stack's own anchors are per layer: Steps of one slice)
+    for no in [("a", "b"), (), None, Steps([("a",)]), Steps([("a",), ("b",)])]:
+        assert _live.single(no) is None, no
 
 
 def test_a_fan_in_decides_at_its_last_entry_and_its_other_exits_get_tokens():
@@ -417,6 +439,19 @@ def test_a_stack_that_is_no_chain_keeps_the_plan(case):
         top = _top("after")  # nothing tells where it is met)
     live = _live.analyse(every, top, params, None, scans=[_scan(keys, at=((), (0, 5)))])
     assert not live.chains and not {Layer("s", 0), Layer("s", 1), Layer("s", 2)} & set(live.groups)
+
+
+def test_a_stack_whose_layers_read_a_fan_in_is_no_chain():
+    # The same exit, relaying each layer into the next, where each layer's anchors are a
+    # fan-in (s[i], u[i]): no chain (a chain's layer is one slot; a stream may take it).
+    def chain(x):
+        nxt = Steps([*x[1:], ("head",)])
+        every = [_site("inp_out", ("inp",), x[0]), ("exit", (x, nxt), True)]
+        return _live._chain(_scan({"exit"}, at=((), (0, 5))), every, dict(_top("inp_out")),
+                            [], Counter(k for k, _, _ in every))
+
+    assert chain(_S) is not None
+    assert chain(Steps([(Layer("s", i), Layer("u", i)) for i in range(3)])) is None
 
 
 @pytest.mark.parametrize("case", [None, "measured in the first", "first no chain"])

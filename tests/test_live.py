@@ -441,6 +441,20 @@ def test_a_stack_that_is_no_chain_keeps_the_plan(case):
     assert not live.chains and not {Layer("s", 0), Layer("s", 1), Layer("s", 2)} & set(live.groups)
 
 
+def test_a_point_from_every_layer_into_one_region_is_no_exit():
+    # In a stack scanned in reverse, a body point converting each layer into one group's
+    # region (a module outside the stack that every layer calls) relays no layer into
+    # the next: the exit is found beside it; alone, a stream has none.
+    nxt = Steps([("head",), (Layer("s", 0),), (Layer("s", 1),)])
+    every = [("exit", (_S, nxt), True), ("shared", (_S, ("m",)), True)]
+    scan = _scan({"exit", "shared"}, reverse=True, at=((), (0, 5)))
+    counts = Counter(k for k, _, _ in every)
+    assert _live._exits([scan], every, counts) == {"exit": (scan, 0)}
+    fans = Steps([(Layer("s", i), Layer("u", i)) for i in range(3)])
+    alone = [("shared", (fans, ("m",)), True)]
+    assert _live._stream(_scan({"shared"}, reverse=True), alone, {}, [], counts) is None
+
+
 def test_a_stack_whose_layers_read_a_fan_in_is_no_chain():
     # The same exit, relaying each layer into the next, where each layer's anchors are a
     # fan-in (s[i], u[i]): no chain (a chain's layer is one slot; a stream may take it).

@@ -118,6 +118,12 @@ EQUIVALENT: dict[str, tuple[str, str]] = {
         "lost_amax only through its floor `lowest`, applied where a group is starved, and "
         "an absent group's starved is filled False (with +inf, lowest is -inf, not NaN); "
         "the state's statistics keep the channel's own lost_amax, not this one"),
+    "adaloss_jax._live.x__inside__mutmut_65": (
+        "+                              firsts=marks - {FOLLOW}, )",
+        "_inside keeps only the regions a layer's symbol (or the stream) names, never a "
+        "fan-in's anchor set, and only needs of those; a fan-in's entries and border go "
+        "under its own key and change no other region's (no conds in a layer's body: no "
+        "branch deciders)"),
 }
 
 

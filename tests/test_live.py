@@ -406,7 +406,9 @@ def test_a_chain_whose_output_two_modules_read_hands_its_final_token_to_their_fa
                                   "converted into after the scan",
                                   "converted into from another scope",
                                   "converted into a later layer", "converted per layer",
-                                  "way in met twice", "way in outside the scopes"])
+                                  "way in met twice", "way in outside the scopes",
+                                  "exit in a nested scope of the body", "exit from one region",
+                                  "exit repeats a layer", "exit from the root"])
 def test_a_stack_that_is_no_chain_keeps_the_plan(case):
     nxt = Steps([(Layer("s", 1),), (Layer("s", 2),), ("head",)])
     every = [_site("inp_out", ("inp",), (Layer("s", 0),)), ("exit", (_S, nxt), True)]
@@ -434,10 +436,20 @@ def test_a_stack_that_is_no_chain_keeps_the_plan(case):
         top.append(("per", ((), (0, 1))))
     elif case == "way in met twice":
         every.append(every[0])
+    elif case == "exit in a nested scope of the body":  # (not at its top level)
+        scan = _scan(keys, top=(), at=((), (0, 5)))
+    elif case == "exit from one region":  # (a module outside the stack, into it)
+        every[1] = ("exit", (("m",), nxt), True)
+    elif case in ("exit repeats a layer", "exit from the root"):
+        first = _live.ROOT if case.endswith("root") else Layer("s", 1)
+        x = Steps([(first,), (Layer("s", 1),), (Layer("s", 2),)])
+        every[:2] = [_site("inp_out", ("inp",), x[0]), ("exit", (x, nxt), True)]
     else:
         assert case == "way in outside the scopes"  # (no site of a scope's top level:
         top = _top("after")  # nothing tells where it is met)
-    live = _live.analyse(every, top, params, None, scans=[_scan(keys, at=((), (0, 5)))])
+    if "nested" not in case:
+        scan = _scan(keys, at=((), (0, 5)))
+    live = _live.analyse(every, top, params, None, scans=[scan])
     assert not live.chains and not {Layer("s", 0), Layer("s", 1), Layer("s", 2)} & set(live.groups)
 
 
@@ -468,7 +480,8 @@ def test_a_stack_whose_layers_read_a_fan_in_is_no_chain():
     assert chain(Steps([(Layer("s", i), Layer("u", i)) for i in range(3)])) is None
 
 
-@pytest.mark.parametrize("case", [None, "measured in the first", "first no chain"])
+@pytest.mark.parametrize("case", [None, "measured in the first", "first no chain",
+                                  "first scanned after", "first in another scope"])
 def test_a_chain_scanned_straight_into_another_passes_its_final_token_on(case):
     # inp -> s[0] -> s[1] -> s[2] -> t[0] -> t[1] -> t[2] -> head: the exit of the first
     # stack's last layer (in its body) is the second's one way in.
@@ -483,11 +496,18 @@ def test_a_chain_scanned_straight_into_another_passes_its_final_token_on(case):
         s_keys.add("s_next")
     elif case == "first no chain":  # a later layer of the first read after both scans
         every.append(_site("after", (Layer("s", 2),), ("",)))
-    scans = [_live.Scan(1, ((), (1,)), 3, False, frozenset(s_keys), frozenset(s_keys)),
+    s_at = {"first scanned after": ((), (3,)), "first in another scope": ((7,), (1,))}
+    scans = [_live.Scan(1, s_at.get(case, ((), (1,))), 3, False, frozenset(s_keys),
+                        frozenset(s_keys)),
              _live.Scan(2, ((), (2,)), 3, False, frozenset({"t_exit"}),
                         frozenset({"t_exit"}))]
-    live = _live.analyse(every, _top("inp_out", "s", "t", "head_out", "after"), [], None,
-                         scans=scans)
+    top = _top("inp_out", "s", "t", "head_out", "after")
+    if case == "first in another scope":  # (with its way in: there it is a chain)
+        top[0] = ("inp_out", ((7,), (0,)))
+    live = _live.analyse(every, top, [], None, scans=scans)
+    if case in s_at:  # (the first's exit is no way in: not before the second, in its scope)
+        assert 2 not in live.chains and not set(layers("t", 3)) & set(live.groups)
+        return
     if case == "first no chain":  # its exit converts at the plan: the second keeps it too
         assert not live.chains and not set(layers("t", 3)) & set(live.groups)
         return
@@ -559,7 +579,9 @@ def _stream_case(case=None, reverse=False):
         every.append(("measure", (stream[run[0]], stream[run[0]]), False))  # nothing
     elif case == "measured at a later layer":
         every.append(("measure", (stream[run[1]], stream[run[1]]), False))
-    scan = _scan({k for k, _, _ in body}, order=order, reverse=reverse, at=((), (0,)))
+    keys = {k for k, _, _ in body}
+    nested = {"exit"} if case == "exit nested" else set()  # (in a cond of the body)
+    scan = _scan(keys, keys - nested, order=order, reverse=reverse, at=((), (0,)))
     top = _top("scan", "head_out", "emb_out", "loss")[1:]
     return _live.analyse(every, top, params, None, scans=[scan]), stream
 
@@ -589,7 +611,8 @@ def test_a_parameter_converted_off_the_stream_leaves_it_deciding(case):
     assert live.streams == {"exit"} and set(stream) <= set(live.fanins)
 
 
-@pytest.mark.parametrize("case", ["exit not last", "two exits", "named outside",
+@pytest.mark.parametrize("case", ["exit not last", "two exits", "exit nested",
+                                  "named outside",
                                   "parameter on it", "measured at a later layer"])
 def test_a_stream_the_body_cannot_decide_keeps_the_plan(case):
     live, stream = _stream_case(case)

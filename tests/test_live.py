@@ -211,6 +211,12 @@ def test_a_single_group_is_a_one_group_anchor_set_and_nothing_else():
         assert _live.single(no) is None, no
 
 
+def test_anything_decides_where_a_group_or_a_fan_in_is_live():
+    # whether anything decides in the backward pass: a live group, or a live fan-in alone
+    assert _live.Live(groups=("a",)).any and _live.Live(fanins=(("a", "b"),)).any
+    assert not _live.Live().any
+
+
 def test_a_fan_in_decides_at_its_last_entry_and_its_other_exits_get_tokens():
     # q and k read one value (anchors (k, q)); their exits convert into it. k's input
     # point, last in the forward order, is the first the backward pass meets.

@@ -230,9 +230,8 @@ def reads_a_choice(live: Live, i: int, pair) -> bool:
     """Whether parameter ``i``'s conversion ``pair`` (own, uses) converts from a scale
     chosen in the backward pass: the region it is read in decides, or is a stack's
     first layer whose choice reaches it (:func:`_param_sites`)."""
-    key = (PARAMS_KEY, i)
-    uses = (live.names.get(key) or tuple(region_key(a) for a in pair))[1]
-    return uses is not None and uses in live.needs.get(key, ())
+    uses = region_key(pair[1])
+    return uses is not None and uses in live.needs.get((PARAMS_KEY, i), ())
 
 
 def single(anchors) -> str | None:

@@ -109,8 +109,9 @@ class AdaptiveScale:
       max_loss_scale: upper bound of every scale (a power of two).
       factor: a group that overflowed backs off by ``factor`` (a power of two > 1), and,
         while nothing of it was measured yet (no held peak), by ``factor ** (2 ** n)``
-        where it overflowed at the step before too, ``n`` non-finite steps in a row
-        (capped at 4).
+        where it was blamed at the ``n`` steps before too (capped at 4; a step with no
+        finite loss, or whose non-finite values nobody overflowed at, neither counts
+        nor ends the run; another group's overflow ends it).
       max_rise: a step whose own statistics call for a scale more than ``max_rise``
         binades above the one a group's gradients were computed at (the first step at
         ``initial_scale``, a step after more than one backoff) is skipped: the scales

@@ -356,7 +356,7 @@ def _limits(prior: AdaptiveScaleState, live, fanins=()) -> dict:
     fused into the kernels downstream would make each of them a kernel per group, each
     compiled on its own."""
     planned = prior.log2_scales.array
-    measured = (prior.log2_amax.array > -jnp.inf) | prior.overflowed.array
+    measured = (prior.log2_amax.array > -jnp.inf) | (prior.overflowed.array > 0)
     table = jnp.stack([jnp.ceil(prior.headroom.array), jnp.where(measured, planned, jnp.inf),
                        planned]).astype(jnp.float32)
     names = prior.log2_scales.names

@@ -106,16 +106,18 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                   next finite statistics its scale only falls, or jumps blind halfway
                   to c_k
         s_k     = u_k - log2(factor)        (k had a held peak)
-        s_k     = u_k - log2(factor) * 2**n (no peak yet: n non-finite steps in a row,
-                  at most 4, if k also overflowed at the previous one, else 0)
+        s_k     = u_k - log2(factor) * 2**n (no peak yet: n steps in a row before this
+                  one k was blamed at, at most 4; a step that held k, below, neither
+                  counts nor ends the run)
         s_k     = u_k - log2(factor)   for every other group that received only
                   non-finite values (the overflow hid its statistics: all of them back
                   off at once, not one group a step; x 2**n as above where it has no
-                  peak yet and overflowed at the previous step); after max_consecutive_skips
+                  peak yet and was blamed at the step before); after max_consecutive_skips
                   non-finite steps in a row with no group blamed, every group is blamed
         s_k     = s_k(previous)   if the loss was not finite (a forward overflow: no
-                  scale can fix it; c_k, h_k and whether k overflowed are kept too), or
-                  k received non-finite values nobody overflowed at
+                  scale can fix it; c_k, h_k and k's run of blame are kept too), or
+                  k received non-finite values nobody overflowed at (its run kept), or
+                  the step did not use k
 
         at k's next finite measurement below its ceiling (the growth inside the module
         that its boundary statistics miss is learned against statistics of the same
@@ -142,10 +144,10 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
 
     Skipped steps count in ``base`` as the global scalers' do. A step refused as
     underscaled (or with nothing measured) was finite: it is skipped, and it ends the
-    run of non-finite steps (``notfinite_count``) that the harder back-off and the
-    escalation read, so a refusal after a wrong guess is not paid for as another
-    overflow. ``health`` flags a run that cannot recover (see
-    :class:`~adaloss_jax.AdaptiveScaleState`).
+    run of non-finite steps (``notfinite_count``) that the escalation reads and each
+    group's run of blamed steps (``overflowed``) that the harder back-off reads, so a
+    refusal after a wrong guess is not paid for as another overflow. ``health`` flags a
+    run that cannot recover (see :class:`~adaloss_jax.AdaptiveScaleState`).
     """
     cfg = state.scaler
     fmt = cfg.format
@@ -220,9 +222,11 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     if cfg.period > 1:
         target = jnp.where(recompute, target, log2)
 
-    blind = state.overflowed.array & ~(prev_amax > -jnp.inf)  # nothing measured yet
-    drop = cfg.backoff * jnp.where(blind, _formats.pow2(jnp.minimum(base.notfinite_count,
-                                                                     4)), 1.0)
+    # Blamed at the steps before too, with nothing measured yet: a harder drop, by the
+    # group's own run (another group's overflows and forward overflows are not its).
+    run = state.overflowed.array
+    blind = (run > 0) & ~(prev_amax > -jnp.inf)
+    drop = cfg.backoff * jnp.where(blind, _formats.pow2(jnp.minimum(run, 4)), 1.0)
     # (Other groups' statistics, the floor, lift no group that learned headroom: its
     # own boundary statistics are known to miss growth inside it.)
     grown = jnp.where(room > 0, log2 + blind_jump, jnp.maximum(log2 + blind_jump, floor)
@@ -278,8 +282,8 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
         base=new_base,
         log2_scales=GroupVector(names, _computed_once(new_log2), split=True),
         log2_amax=GroupVector(names, peak.astype(jnp.float32)),
-        overflowed=GroupVector(names, jnp.where(act & m.loss_finite, bad,
-                                                state.overflowed.array)),
+        overflowed=GroupVector(names, jnp.where(m.loss_finite & ~hold,
+                                                jnp.where(bad, run + 1, 0), run)),
         headroom=GroupVector(names, room.astype(jnp.float32)),
         ceiling=GroupVector(names, ceiling.astype(jnp.float32)),
         health=health,

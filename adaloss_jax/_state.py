@@ -88,8 +88,11 @@ class AdaptiveScaleState:
       log2_scales: :class:`GroupVector` of fp32 scalars, ``log2`` of each group's scale.
       log2_amax: :class:`GroupVector` of fp32, ``log2`` of the group's held amax peak at
         unit scale (``-inf`` before anything was measured).
-      overflowed: :class:`GroupVector` of bool, whether the group overflowed at the last
-        step.
+      overflowed: :class:`GroupVector` of int32, the steps in a row the group was blamed
+        for an overflow (0: not at its last step; a step that held the group, its loss
+        not finite, the group unused, or non-finite values nobody overflowed at,
+        neither counts nor ends the run): the harder back-off of a group nothing was
+        measured of reads it.
       headroom: :class:`GroupVector` of fp32, binades each group keeps free besides
         ``margin``, learned from its own overflows (growth inside a module that the
         statistics at its boundaries do not see) and given back slowly.
@@ -279,7 +282,7 @@ def initial_state(params: Any, scaler: AdaptiveScale, groups: list[str]) -> Adap
         base=counters(scaler.initial_scale, 1),
         log2_scales=GroupVector(groups, jnp.full((n,), s0, jnp.float32), split=True),
         log2_amax=GroupVector(groups, jnp.full((n,), -jnp.inf, jnp.float32)),
-        overflowed=GroupVector(groups, jnp.zeros((n,), jnp.bool_)),
+        overflowed=GroupVector(groups, jnp.zeros((n,), jnp.int32)),
         headroom=GroupVector(groups, jnp.zeros((n,), jnp.float32)),
         ceiling=GroupVector(groups, jnp.full((n,), jnp.inf, jnp.float32)),
         health=jnp.zeros((), jnp.int32),

@@ -383,10 +383,18 @@ MUTATIONS = {
         "past K non-finite steps the groups an overflow hid are blamed with it"),
     "forward-overflow-marks-overflowed": (
         "adaloss_jax/_rule.py",
-        "        overflowed=GroupVector(names, jnp.where(act & m.loss_finite, bad,",
-        "        overflowed=GroupVector(names, jnp.where(act, bad,",
+        "        overflowed=GroupVector(names, jnp.where(m.loss_finite & ~hold,",
+        "        overflowed=GroupVector(names, jnp.where(~hold,",
         ["tests/test_rule.py"],
         "a forward overflow, which moves no scale, rewrites which groups overflowed"),
+    "blind-drop-counts-every-nonfinite-step": (
+        "adaloss_jax/_rule.py",
+        "    drop = cfg.backoff * jnp.where(blind, _formats.pow2(jnp.minimum(run, 4)), 1.0)",
+        "    drop = cfg.backoff * jnp.where(blind, _formats.pow2(jnp.minimum(\n"
+        "        base.notfinite_count, 4)), 1.0)",
+        ["tests/test_rule.py"],
+        "the harder back-off of a group blamed again counts other groups' overflows and "
+        "accidents in its run (a group blamed twice dropped 2**4 times factor)"),
     "global-peak-is-span-flag": (
         "adaloss_jax/_rule.py",
         "        as_high = top >= log2_max - cfg.margin - 1\n",

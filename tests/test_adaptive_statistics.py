@@ -323,7 +323,7 @@ def test_after_max_consecutive_skips_every_group_backs_off():
     start = tx.init(params)
     start = start.with_log2_scales({g: 10 for g in start.log2_scales})
     for a_overflows, expected in [(True, [9.0, 8.0, 7.0, 6.0]),
-                                  (False, [10.0, 10.0, 9.0, 1.0])]:
+                                  (False, [10.0, 10.0, 9.0, 7.0])]:
         state, b_scales = start, []
         for _ in range(4):
             rows = {"": (1.0, 0.0, 8.0, False), "a": (math.inf, 0.0, 8.0, a_overflows),
@@ -336,7 +336,7 @@ def test_after_max_consecutive_skips_every_group_backs_off():
         # b backs off by backoff with each overflow that hid it, and is never blamed for
         # it; with nobody to blame it holds for K steps, then it is blamed, and backs off
         # by backoff, then, with no measured peak, by backoff * 2**min(n, 4) (n: the
-        # non-finite steps in a row, 3).
+        # steps in a row it was blamed at before, 1; the steps it held do not count).
         assert b_scales == expected, a_overflows
         assert bool(state.overflowed["b"]) == (not a_overflows)
         assert int(state.health) & Health.SKIPPING

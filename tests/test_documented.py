@@ -215,19 +215,22 @@ def test_margin_keeps_its_binades_free_below_the_format_max():
 
 @pytest.mark.parametrize("retries", [2, 4])
 def test_retries_bounds_the_passes_a_step_takes(retries):
-    """From 2**40 the cotangent ``2**-10 * S`` overflows fp16 at 40, 36, 32 and 28 (each
-    overflow backs off by log2(16) = 4) and fits at 24, whose statistics ask for
-    floor(log2 65504 - 4 + 10) = 21. With ``retries`` retries the step takes
-    ``retries + 1`` passes: 2 retries end at 32 and skip (the scales at 28); 4 reach 24,
+    """From 2**40 the cotangent ``2**-10 * S`` overflows fp16 above 24. Each overflow backs
+    off by log2(16) = 4, doubled for each pass in a row before it that overflowed too
+    (nothing measured yet): 40, 36, 28, then 12, which fits, but its statistics ask for
+    floor(log2 65504 - 4 + 10) = 21, more than ``max_rise`` above it: refused. A retry
+    is the next step computed in its place. With ``retries`` retries the step takes
+    ``retries + 1`` passes: 2 retries end at 28 and skip (the scales at 12); 4 reach 21,
     and the step is applied there."""
+    passes = [40, 36, 28, 12, 21]
     tx, step = _lay_step(groups="global", initial_scale=2.0**40, retries=retries)
     params, state, stats = step(_LAY_PARAMS, tx.init(_LAY_PARAMS), jnp.float32(2.0**-10))
     st = alj.scale_state(state)
     assert int(st.total_retries) == retries
-    assert float(stats.log2_scales[""]) == 40 - 4 * retries  # the last pass's scale
+    assert float(stats.log2_scales[""]) == passes[retries]  # the last pass's scale
     if retries < 4:
         assert not bool(st.last_applied)
-        assert float(st.log2_scales[""]) == 40 - 4 * (retries + 1)
+        assert float(st.log2_scales[""]) == passes[retries + 1]
         np.testing.assert_array_equal(params["doc_lay"]["w"], np.ones(4))
     else:
         assert bool(st.last_applied) and float(st.log2_scales[""]) == 21

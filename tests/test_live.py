@@ -754,7 +754,7 @@ def test_after_an_overflow_before_any_measurement_the_back_off_caps_the_choice()
     decider would choose the overflowing scale again on every pass."""
     params, step, state = _chain()
     ad = state[0].with_log2_scales({"d2": 5})
-    flags = jnp.array([False, False, True])
+    flags = jnp.array([0, 0, 1], jnp.int32)
     ad = ad.replace(overflowed=alj.GroupVector(ad.groups, flags))
     assert float(ad.log2_amax["d2"]) == -math.inf
     _, _, stats = step((ad, state[1]), params, jnp.asarray(_X), _Y)

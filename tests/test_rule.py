@@ -94,6 +94,37 @@ def test_an_overflow_backs_off_where_it_started_and_every_group_it_hid():
     assert _scales(again)[1:] == [7.0 - 3 * 2, 7.0 - 3]
 
 
+def test_the_harder_back_off_counts_the_groups_own_run_of_blame():
+    """A group with no measured peak backs off ``factor ** (2 ** n)`` where it was blamed
+    at the ``n`` steps before: its own run, which another group's overflows end and a
+    forward overflow neither counts nor ends (counting every non-finite step in a row
+    once dropped a group blamed twice by 2**4 times ``factor``), and nor does a step
+    whose non-finite values nobody overflowed at (a NaN in the data)."""
+    def run(state, steps):
+        drops = []
+        for blamed in steps:
+            before = _scales(state)
+            if blamed in ("forward", "data"):  # (data: non-finite values nobody
+                m = _measured(state, [-20.0, np.inf, np.inf],  # overflowed at)
+                              loss_finite=blamed == "data")
+            else:
+                bad = (False, blamed == "a", blamed == "b")
+                m = _measured(state, [-20.0, np.inf, np.inf], bad=bad)
+            state = adjust(state, m)
+            drops.append([b - a for b, a in zip(before[1:], _scales(state)[1:])])
+        return state, drops
+
+    # b is blamed three times (a hid, backing off by factor alone), then a twice.
+    state, drops = run(_state(max_rise=100, factor=8.0, min_loss_scale=2.0**-60), "bbbaa")
+    assert drops == [[3, 3], [3, 6], [3, 12], [3, 24], [6, 3]]
+    assert int(state.overflowed["a"]) == 2 and int(state.overflowed["b"]) == 0
+    # A forward overflow or a NaN in the data between two of a's keeps its run of one.
+    for accident in ("forward", "data"):
+        state, drops = run(_state(max_rise=100, factor=8.0), ["a", accident, "a"])
+        assert drops == [[3, 3], [0, 0], [6, 3]], accident
+        assert int(state.overflowed["a"]) == 2 and int(state.notfinite_count) == 3
+
+
 def test_nonfinite_values_nobody_overflowed_at_hold():
     state = _state(max_rise=100)
     new = adjust(state, _measured(state, [-20.0, np.inf, np.inf]))
@@ -534,7 +565,8 @@ def _random_state(data, fmt):
     room = data.draw(floats(0, 6), label="headroom")
     above = data.draw(st.lists(st.one_of(st.just(None), st.integers(1, 20)),
                                min_size=_N, max_size=_N), label="ceilings above scales")
-    over = data.draw(st.lists(st.booleans(), min_size=_N, max_size=_N), label="overflowed")
+    over = data.draw(st.lists(st.integers(0, 5), min_size=_N, max_size=_N),
+                     label="steps in a row blamed")
     count = data.draw(st.integers(0, 20), label="non-finite steps in a row")
     return _state_of(fmt, scales, peaks, room, above, over, count)
 
@@ -552,7 +584,7 @@ def _state_of(fmt, scales, peaks, room, above, over, count):
     return state.replace(
         log2_amax=vec(groups, arr(peaks, -np.inf)),
         headroom=vec(groups, arr(room, 0.0)), ceiling=vec(groups, arr(ceil, np.inf)),
-        overflowed=vec(groups, jnp.asarray(over)),
+        overflowed=vec(groups, jnp.asarray(over, jnp.int32)),
         base=state.base._replace(notfinite_count=jnp.int32(count)))
 
 

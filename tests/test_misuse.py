@@ -152,6 +152,23 @@ FOREIGN = {
 }
 
 
+def test_gradients_more_than_twice_apart_either_way_are_foreign():
+    """``_decide.foreign``'s margin, both ways (a survivor of mutmut's seed 193 moved
+    one side to 3x and passed every test): within 2x of the measured magnitude, per
+    group, the gradients are the statistics' own; beyond it either way, or finite where
+    those were not (or the reverse), they are not."""
+    from adaloss_jax._decide import foreign
+
+    measured = jnp.asarray([4.0, 2.0**-10, 0.0])
+    for times, flagged in [(1.0, False), (1.9, False), (1 / 1.9, False), (2.5, True),
+                           (1 / 2.5, True)]:
+        received = measured.at[:2].multiply(times)
+        assert bool(foreign(received, measured, None)) == flagged, times
+    inf = measured.at[0].set(jnp.inf)  # (the other groups as measured)
+    assert bool(foreign(inf, measured, None)) and bool(foreign(measured, inf, None))
+    assert not bool(foreign(inf, inf, None))
+
+
 @pytest.mark.parametrize("retries", [4, 0])
 @pytest.mark.parametrize("case", sorted(FOREIGN))
 def test_gradients_not_those_of_the_statistics_raise_a_health_flag(case, retries):

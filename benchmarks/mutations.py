@@ -394,7 +394,7 @@ MUTATIONS = {
         "        base.notfinite_count, 4)), 1.0)",
         ["tests/test_rule.py"],
         "the harder back-off of a group blamed again counts other groups' overflows and "
-        "accidents in its run (a group blamed twice dropped 2**4 times factor)"),
+        "accidents in its run (a group blamed twice dropped by factor ** 16)"),
     "global-peak-is-span-flag": (
         "adaloss_jax/_rule.py",
         "        as_high = top >= log2_max - cfg.margin - 1\n",

@@ -98,7 +98,7 @@ def test_the_harder_back_off_counts_the_groups_own_run_of_blame():
     """A group with no measured peak backs off ``factor ** (2 ** n)`` where it was blamed
     at the ``n`` steps before: its own run, which another group's overflows end and a
     forward overflow neither counts nor ends (counting every non-finite step in a row
-    once dropped a group blamed twice by 2**4 times ``factor``), and nor does a step
+    once dropped a group blamed twice by ``factor ** 16``), and nor does a step
     whose non-finite values nobody overflowed at (a NaN in the data)."""
     def run(state, steps):
         drops = []

@@ -115,7 +115,9 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
                   peak yet and was blamed at the step before); after max_consecutive_skips
                   non-finite steps in a row with no group blamed, every group is blamed
         s_k     = s_k(previous)   if the loss was not finite (a forward overflow: no
-                  scale can fix it; c_k, h_k and k's run of blame are kept too), or
+                  scale can fix it; held_k, c_k, h_k and k's run of blame are kept
+                  too: the statistics of a step that is thrown away, e.g. an
+                  outlier batch, are no evidence of the gradients to come), or
                   k received non-finite values nobody overflowed at (its run kept), or
                   the step did not use k
 
@@ -272,7 +274,7 @@ def adjust(state: AdaptiveScaleState, m: Measured) -> AdaptiveScaleState:
     # starved group's statistics miss what was lost on its way: no peak of them (its
     # same-step choices are not bounded by a scale set from part of its values).
     flushed = jnp.minimum(prev_amax, math.log2(fmt.min_subnormal) - 1.0 - used)
-    keep_peak = bad | hold | backs_off
+    keep_peak = bad | hold | backs_off | ~m.loss_finite  # (a forward overflow: kept)
     if starved is not None:
         keep_peak = keep_peak | (starved & (amax > 0))
     peak = jnp.where(keep_peak, prev_amax,

@@ -87,7 +87,8 @@ class AdaptiveScaleState:
         (``state.loss_scale``, ``state.last_applied``, ``state.total_applied``, ...).
       log2_scales: :class:`GroupVector` of fp32 scalars, ``log2`` of each group's scale.
       log2_amax: :class:`GroupVector` of fp32, ``log2`` of the group's held amax peak at
-        unit scale (``-inf`` before anything was measured).
+        unit scale (``-inf`` before anything was measured; kept as it was at a step
+        whose loss was not finite, as the other fields are).
       overflowed: :class:`GroupVector` of int32, the steps in a row the group was blamed
         for an overflow (0: not at its last step; a step that held the group, its loss
         not finite, the group unused, or non-finite values nobody overflowed at,

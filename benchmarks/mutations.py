@@ -387,6 +387,12 @@ MUTATIONS = {
         "        overflowed=GroupVector(names, jnp.where(~hold,",
         ["tests/test_rule.py"],
         "a forward overflow, which moves no scale, rewrites which groups overflowed"),
+    "forward-overflow-sets-the-peak": (
+        "adaloss_jax/_rule.py",
+        "    keep_peak = bad | hold | backs_off | ~m.loss_finite  # (a forward overflow: kept)",
+        "    keep_peak = bad | hold | backs_off",
+        ["tests/test_rule.py"],
+        "a forward overflow's statistics set the held peak of a step that is thrown away"),
     "blind-drop-counts-every-nonfinite-step": (
         "adaloss_jax/_rule.py",
         "    drop = cfg.backoff * jnp.where(blind, _formats.pow2(jnp.minimum(run, 4)), 1.0)",

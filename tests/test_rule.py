@@ -365,6 +365,37 @@ def test_a_forward_overflow_moves_no_scale():
     assert int(new.total_nonfinite_loss) == 1
 
 
+def test_a_forward_overflow_leaves_every_group_as_if_the_step_never_ran():
+    """A step whose loss is not finite is thrown away, and so are its statistics: a
+    spike measured there sets no held peak (with ``decay`` 1/16 it would hold the scale
+    8 binades down for 128 steps), and a group that measured nothing there keeps its
+    peak (with ``decay=inf`` it was erased, so the group's next blame dropped as if
+    nothing had ever been measured of it: by ``factor ** 2`` after a first blame).
+    The next steps then move every group as they would have without it."""
+    def fields(st):
+        return [np.asarray(getattr(st, f).array).tolist()
+                for f in ("log2_scales", "log2_amax", "overflowed", "headroom", "ceiling")]
+
+    for decay in (INF, 1 / 16):
+        state = _settled(_state(max_rise=100, decay=decay, factor=8.0),
+                         [-20.0, -12.0, -12.0], steps=2)
+        # b is blamed once (a run of one), then the loss overflows in the forward pass
+        # where a measures a spike and b nothing.
+        state = adjust(state, _measured(state, [-20.0, -12.0, np.inf],
+                                        bad=(False, False, True)))
+        thrown = adjust(state, _measured(state, [-20.0, -4.0, None], loss_finite=False))
+        assert fields(thrown) == fields(state), decay
+        for after in ([-20.0, -12.0, np.inf], [-20.0, -12.0, -12.0]):
+            bad = (False, False, not np.isfinite(after[2]))
+            m_thrown, m_state = (_measured(s, after, bad=bad) for s in (thrown, state))
+            assert fields(adjust(thrown, m_thrown)) == fields(adjust(state, m_state)), (
+                decay, after)
+        # b's second blame in a row drops by factor alone: it has a peak.
+        again = adjust(thrown, _measured(thrown, [-20.0, -12.0, np.inf],
+                                         bad=(False, False, True)))
+        assert _scales(thrown)[2] - _scales(again)[2] == 3.0
+
+
 def test_inactive_groups_keep_everything():
     state = _state(max_rise=100)
     new = adjust(state, _measured(state, [-20.0, -12.0, None], active=(True, True, False)))

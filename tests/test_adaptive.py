@@ -353,16 +353,26 @@ def test_filter_rejecting_modules_keeps_gradients_exact():
     assert_fp32_trees_close(got, ref)
 
 
-def test_nonfinite_loss_skips_without_moving_scales():
-    _, params, loss16, batch = _setup("mlp", jnp.float16)
-    bad = lambda p, x, y: loss16(p, x, y) * jnp.inf
+@pytest.mark.parametrize("dtype", [jnp.float16, jnp.float32])
+@pytest.mark.parametrize("how", ["times inf", "plus inf"])
+def test_nonfinite_loss_skips_without_moving_scales(dtype, how):
+    """A non-finite loss skips the step and counts in ``total_nonfinite_loss``, whether
+    its gradients are non-finite too (``times inf``) or finite (``plus inf``: only the
+    loss says so), in a float16 model and in a float32 one, where the scaler is off and
+    only non-finite steps are skipped."""
+    _, params, loss, batch = _setup("mlp", dtype)
+    bad = ((lambda p, x, y: loss(p, x, y) * jnp.inf) if how == "times inf"
+           else (lambda p, x, y: loss(p, x, y) + jnp.inf))
+    alj._common._NOTICED.add("wide-model")  # (its notice is tested elsewhere)
     step, state = _grads_through(alj.adaptive(groups="module"), bad, params, batch, None)
-    _, new, _ = step(state, params, *batch)
+    got, new, _ = step(state, params, *batch)
     ad = new[0]
     assert not bool(ad.base.last_applied)
     assert int(ad.base.total_nonfinite_loss) == 1
-    for g in ad.log2_scales:
-        assert float(ad.log2_scales[g]) == float(state[0].log2_scales[g])
+    assert all(float(jnp.max(jnp.abs(u))) == 0.0 for u in jax.tree_util.tree_leaves(got))
+    for g in ad.log2_scales:  # (off, every scale is 1)
+        want = 0.0 if dtype == jnp.float32 else float(state[0].log2_scales[g])
+        assert float(ad.log2_scales[g]) == want
 
 
 def test_bad_input_is_refused_clearly():

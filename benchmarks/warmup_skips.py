@@ -40,6 +40,7 @@ far the first pass's scales were from where they settle).
 from __future__ import annotations
 
 import argparse
+import math
 
 import jax
 import jax.numpy as jnp
@@ -303,7 +304,7 @@ def run(name, groups, dtype, steps, retries, same_step=None, loss_log2=0, loss_i
             first = alj.scale_state(state).log2_scales.array
     st = alj.scale_state(state)
     moved = float(jnp.max(jnp.abs(st.log2_scales.array - first)))
-    return skipped, int(st.total_retries), float(jnp.log2(st.loss_scale)), moved
+    return skipped, int(st.total_retries), math.log2(float(st.loss_scale)), moved
 
 
 def main(argv=None):

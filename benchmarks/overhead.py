@@ -125,6 +125,36 @@ def fused_kernels(hlo_text: str) -> int:
     return hlo_text.count(" fusion(")
 
 
+def compile_step(step, args: tuple, clock=time.perf_counter):
+    """``(compiled, (trace, lower, xla))``: a fresh ``jax.jit(step)`` compiled for
+    ``args``, and the seconds each phase took."""
+    t0 = clock()
+    traced = jax.jit(step).trace(*args)
+    t1 = clock()
+    lowered = traced.lower()
+    t2 = clock()
+    compiled = lowered.compile()
+    return compiled, (t1 - t0, t2 - t1, clock() - t2)
+
+
+def interleaved_times(runners: dict, data: tuple, rounds: int, steps: int,
+                      label: str = "") -> dict[str, list[float]]:
+    """Seconds per step of each ``runners[config] = (compiled, [params, opt_state])``
+    (``compiled(params, opt_state, *data) -> (params, opt_state, loss)``; the state is
+    carried on in place), ``steps`` steps a round, in interleaved rounds (ABCABC...) so
+    that load from other processes hits every configuration alike."""
+    times: dict[str, list[float]] = {c: [] for c in runners}
+    for r in range(rounds):
+        for config, (compiled, state) in runners.items():
+            t0 = time.perf_counter()
+            for _ in range(steps):
+                state[0], state[1], loss = compiled(state[0], state[1], *data)
+            jax.block_until_ready(loss)
+            times[config].append((time.perf_counter() - t0) / steps)
+        print(f"  {label} round {r + 1}/{rounds}", file=sys.stderr)
+    return times
+
+
 def measure(size: str, layers: int | None, rounds: int, steps: int,
             compile_repeats: int = 3, configs=CONFIGS, batch: int | None = None,
             scan: bool = False, clock=time.perf_counter) -> list[dict]:
@@ -148,15 +178,9 @@ def measure(size: str, layers: int | None, rounds: int, steps: int,
             opt_state, _ = steps_of[row["config"]]
             # A fresh step function each time: jax caches traces and executables by it.
             _, step = build_step(row["config"], model_of[row["config"]], params)
-            t0 = clock()
-            traced = jax.jit(step).trace(params, opt_state, data)
-            t1 = clock()
-            lowered = traced.lower()
-            t2 = clock()
-            compiled = lowered.compile()
-            t3 = clock()
-            row["compile_times"].append(t3 - t0)
-            row["phases"].append((t1 - t0, t2 - t1, t3 - t2))
+            compiled, phases = compile_step(step, (params, opt_state, data), clock)
+            row["compile_times"].append(sum(phases))
+            row["phases"].append(phases)
             runners[row["config"]] = (compiled, [params, opt_state])
     for row in rows:
         compiled, state = runners[row["config"]]
@@ -169,16 +193,9 @@ def measure(size: str, layers: int | None, rounds: int, steps: int,
         row["temp_bytes"] = temp
         row["host_round_trips"] = host_round_trips(compiled.as_text())
         jax.block_until_ready(compiled(*state, data))  # warm-up
-    for r in range(rounds):
-        for row in rows:
-            compiled, state = runners[row["config"]]
-            t0 = time.perf_counter()
-            for _ in range(steps):
-                p, o, loss = compiled(state[0], state[1], data)
-                state[0], state[1] = p, o
-            jax.block_until_ready(loss)
-            row["times"].append((time.perf_counter() - t0) / steps)
-        print(f"  [{size} L={n_layers}] round {r + 1}/{rounds}", file=sys.stderr)
+    times = interleaved_times(runners, (data,), rounds, steps, f"[{size} L={n_layers}]")
+    for row in rows:
+        row["times"] = times[row["config"]]
     base = next((r for r in rows if r["config"] == "dynamic"), rows[0])
     for row in rows:
         row["step_ms"] = 1e3 * statistics.median(row["times"])

@@ -26,6 +26,7 @@ OPAQUE      any other equation with a point inside: a user's     not applied: th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import jax.extend.core as jcore
@@ -100,6 +101,46 @@ def unread_outputs(jaxpr) -> dict[int, frozenset[int]]:
 
     walk(jaxpr)
     return out
+
+
+def reaching(jaxpr, outputs: Sequence[int]) -> set:
+    """The variables of ``jaxpr`` and of its equations' sub-jaxprs (by identity) whose
+    value may reach its outputs ``outputs`` (by position): the loss, not ``aux``.
+
+    Conservative: an equation that may reach them reads all its inputs, but for one
+    whose sub-jaxprs each take its operands and give its outputs one by one (a
+    ``jit``'s, a scale point's, ``checkpoint``'s, ``scan``'s body with every carry
+    counted, ``cond``'s branches after the index, ``shard_map``'s): it reads those its
+    sub-jaxprs' reaching outputs read. One with an effect reads all. A sub-jaxpr shared
+    by several equations counts what reaches them at any. The other variables (what
+    only ``aux`` or nothing reads) get a zero cotangent from every step."""
+    reach: set = set()
+
+    def walk(j, wanted: list[bool]) -> None:
+        need = {v for v, w in zip(j.outvars, wanted) if w and isinstance(v, jcore.Var)}
+        for e in reversed(j.eqns):
+            outs = [isinstance(o, jcore.Var) and o in need for o in e.outvars]
+            if not (any(outs) or e.effects):
+                continue
+            reach.update(o for o, w in zip(e.outvars, outs) if w)
+            carry = e.params.get("num_carry", 0) if e.primitive.name == "scan" else 0
+            skip = 1 if e.primitive.name == "cond" else 0  # (its index: always read)
+            ins = list(e.invars)
+            subs = [sub.jaxpr for sub in subprograms(e)]
+            mapped = bool(subs) and not e.effects and all(
+                len(b.outvars) == len(outs) and len(b.invars) == len(ins) - skip
+                for b in subs)
+            for body in subs:
+                walk(body, [w or i < carry for i, w in enumerate(outs)]
+                     if len(body.outvars) == len(outs) else [True] * len(body.outvars))
+            if mapped:
+                ins = ins[:skip] + [v for i, v in enumerate(ins[skip:])
+                                    if any(b.invars[i] in reach for b in subs)]
+            need.update(v for v in ins if isinstance(v, jcore.Var))
+        reach.update(need)
+
+    walk(jaxpr, [i in set(outputs) for i in range(len(jaxpr.outvars))])
+    return reach
 
 
 class Reader:

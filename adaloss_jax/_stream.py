@@ -141,8 +141,13 @@ class _Walker:
     layers; not inside another such scan.
     """
 
-    def __init__(self, param_owners: Sequence[str | None] = (), stacks=None):
+    def __init__(self, param_owners: Sequence[str | None] = (), stacks=None,
+                 reach: set | None = None):
         self.uf = _UnionFind()
+        # The variables whose value may reach the loss (None: all): an equation whose
+        # outputs do not (an aux metric, a scanned stack's per-layer outputs nobody
+        # reads) gets a zero cotangent, and joins none of the regions it reads.
+        self.reach = reach
         self.reader = _jaxpr.Reader()
         self.ctx: tuple = ()
         # n -> per occurrence: (context, per leaf: (x key, y key))
@@ -172,6 +177,11 @@ class _Walker:
         """Joins raw variables (in the current context) and keys (tuples, ``_NOWHERE``)."""
         self.uf.union(v if type(v) is tuple or v is _NOWHERE else self.key(v) for v in vs)
 
+    def reaches(self, outs) -> bool:
+        """Whether any of the raw variables ``outs`` may reach the loss."""
+        return self.reach is None or any(_raw(v) in self.reach for v in outs
+                                         if isinstance(_raw(v), jcore.Var))
+
     def _source(self, k) -> int:
         return _CONST if isinstance(_raw(k), jcore.Literal) else self.source.get(k, _DATA)
 
@@ -185,8 +195,9 @@ class _Walker:
 
     def walk(self, jaxpr, blob=None) -> None:
         key = self.key
-        uses: dict = {}
-        for v in [*(v for e in jaxpr.eqns for v in e.invars), *jaxpr.outvars]:
+        uses: dict = {}  # (by what may reach the loss: an aux metric's read is none)
+        for v in [*(v for e in jaxpr.eqns if e.effects or self.reaches(e.outvars)
+                    for v in e.invars), *(v for v in jaxpr.outvars if self.reaches([v]))]:
             if not isinstance(v, jcore.Literal):
                 uses[v] = uses.get(v, 0) + 1
         point_out: dict = {}  # outputs of scale points in this jaxpr -> point number
@@ -202,8 +213,10 @@ class _Walker:
                     self.union(blob, *ins, *outs)
                     self.blobbed.add(n)
                     continue
+                # (a leaf computed from parameters alone, or one whose cotangent is
+                # zero: its output does not reach the loss)
                 passed = {i for i, (kv, _) in enumerate(pairs)
-                          if self._source(kv) == _PARAMS}
+                          if self._source(kv) == _PARAMS or not self.reaches([outs[i]])}
                 for i in passed:
                     self.union(*pairs[i])
                 self.passed[n] = self.passed.get(n, passed) & passed
@@ -223,7 +236,8 @@ class _Walker:
             if kind == _jaxpr.PLAIN:
                 # Not walked: jax shares the jaxpr of, e.g., a jitted activation between
                 # all its call sites, and its variables would join them.
-                self.union(*([] if blob is None else [blob]), *ins, *outs)
+                if blob is not None or self.reaches(outs):
+                    self.union(*([] if blob is None else [blob]), *ins, *outs)
                 continue
             subs = _jaxpr.subprograms(eqn)
             if blob is None and kind != _jaxpr.OPAQUE:
@@ -322,7 +336,8 @@ class _Walker:
             finally:
                 self.ctx = outer
             for v, u in zip(outs[ncar:], sub.outvars[ncar:]):
-                self.uf.union([self.key(v), here(u)])
+                if self.reaches([v]):  # (per-layer outputs nobody reads: no join)
+                    self.uf.union([self.key(v), here(u)])
                 self._mark([self.key(v)], self._source(here(u)))
             prev = ctx
         for v, u in zip(outs[:ncar], sub.outvars[:ncar]):
@@ -376,7 +391,7 @@ def analyse(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None],
     body has anchors per layer, as in the same layers unrolled: a point there gets
     :class:`Steps` where they differ from layer to layer.
     """
-    w, whole = _walked(jaxpr, sizes, param_owners, stacks)
+    w, whole = _walked(jaxpr, sizes, param_owners, stacks, loss_index)
     find = w.uf.find
 
     def region(v):
@@ -484,11 +499,11 @@ def _left_by_casts(whole: dict, region, loss_region, casts: frozenset) -> bool:
     return found
 
 
-def _walked(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None], stacks
-            ) -> tuple[_Walker, dict[int, dict]]:
+def _walked(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | None], stacks,
+            loss_index: int = 0) -> tuple[_Walker, dict[int, dict]]:
     """The walked program (its regions in ``uf``) and, per point held as recorded, its
     pairs of keys per occurrence (by layer along a stack)."""
-    w = _Walker(param_owners, stacks)
+    w = _Walker(param_owners, stacks, _jaxpr.reaching(jaxpr, [loss_index]))
     w.walk(jaxpr)
     whole: dict[int, dict] = {}  # n -> {slice or None: per leaf (x key, y key)}
     for n, occurrences in w.points.items():
@@ -519,7 +534,7 @@ def in_loss_region(jaxpr, sizes: Sequence[int], param_owners: Sequence[str | Non
                    candidates: Sequence, loss_index: int = 0, stacks=None) -> list[bool]:
     """For each of ``candidates`` (variables of the jaxpr's top level): whether it lies
     in the region holding the loss (anchored by the root alone, :func:`analyse`)."""
-    w, _ = _walked(jaxpr, sizes, param_owners, stacks)
+    w, _ = _walked(jaxpr, sizes, param_owners, stacks, loss_index)
     loss = jaxpr.outvars[loss_index]
     if not _var(loss):
         return [False] * len(candidates)

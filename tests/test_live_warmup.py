@@ -752,3 +752,95 @@ def test_an_rnn_over_time_decides_in_its_scan_and_skips_nothing(ops, tied, tiny)
     stack's slots (kept at the plan, the gates reached only through the state starved
     and step 0 was skipped)."""
     assert _random_net_skips(ops, tied, tiny) == []
+
+
+# ------------------------------------------- values only aux reads: a zero cotangent
+
+
+class _EmitLayer(nn.Module):
+    """A residual layer that also emits a value of its output per layer (a metric)."""
+
+    dtype: jnp.dtype = jnp.float16
+
+    @nn.compact
+    def __call__(self, h, _):
+        h = h + jnp.tanh(nn.Dense(8, dtype=self.dtype, name="fc")(h))
+        return h, jnp.mean(h.astype(jnp.float32) ** 2)
+
+
+class _EmitStack(nn.Module):
+    """Three ``_EmitLayer`` in one ``nn.scan`` between two Dense layers; the per-layer
+    values are returned beside the logits (``emit``) or dropped inside."""
+
+    dtype: jnp.dtype = jnp.float16
+    emit: bool = True
+
+    @nn.compact
+    def __call__(self, x):
+        h = nn.Dense(8, dtype=self.dtype, name="inp")(x)
+        h, per_layer = nn.scan(_EmitLayer, variable_axes={"params": 0},
+                               split_rngs={"params": True}, length=3)(
+            self.dtype, name="layers")(h, None)
+        out = nn.Dense(3, dtype=self.dtype, name="head")(h)
+        return (out, per_layer) if self.emit else out
+
+
+def _emit_loss(model, loss_scale=1.0, aux=True):
+    def loss_fn(p, x, y):
+        out = model.apply({"params": p}, x)
+        logits, per_layer = out if model.emit else (out, None)
+        loss = optax.softmax_cross_entropy_with_integer_labels(
+            logits.astype(jnp.float32), y).mean() * loss_scale
+        if not aux:
+            return loss
+        return loss, {"per_layer": per_layer, "weight_norm": optax.tree.norm(p)}
+    return loss_fn
+
+
+@pytest.mark.parametrize("emit", [True, False], ids=["emitted", "dropped"])
+def test_a_scanned_stacks_per_layer_metrics_and_a_weight_norm_in_aux_change_no_scale(emit):
+    """A stack in one ``nn.scan`` whose body also emits a value per layer (returned
+    with the logits, or dropped inside the model), and a loss whose ``aux`` holds those
+    values and the parameters' global norm: what only ``aux`` reads has a zero
+    cotangent. The stack keeps a scale per layer decided in the pass, nothing is
+    skipped in float16 and e4m3 with the loss x 2^-20 (the per-layer values made the
+    stack one region that kept the plan: step 0 skipped, steps 0-1 in e4m3; the weight
+    norm made every module one region), and the gradients in fp32 at arbitrary scales
+    are fp32's."""
+    from adaloss_jax.flax import TrainState, linen_train_step
+
+    x = jax.random.normal(jax.random.key(0), (6, 5))
+    y = jnp.arange(6) % 3
+    model = _EmitStack(emit=emit)
+    params = model.init(jax.random.key(1), x)["params"]
+    loss_fn = _emit_loss(model, 2.0**-20)
+    for grad_dtype in ("float16", "float8_e4m3fn"):
+        scaler = alj.adaptive(groups="module", grad_dtype=grad_dtype,
+                              simulate=grad_dtype != "float16")
+        state = TrainState.create(apply_fn=model.apply, params=params, tx=optax.sgd(0.0),
+                                  scaler=scaler)
+        step = jax.jit(lambda s: linen_train_step(s, loss_fn, x, y, has_aux=True))
+        skipped = []
+        for i in range(3):
+            state, metrics = step(state)
+            if not bool(metrics["applied"]):
+                skipped.append(i)
+        assert skipped == [], (grad_dtype, skipped)
+        st = alj.scale_state(state)
+        assert {"layers/fc[0]", "layers/fc[1]", "layers/fc[2]"} <= set(st.groups)
+        assert float(metrics["aux"]["weight_norm"]) > 0
+
+    m32 = _EmitStack(dtype=jnp.float32, emit=emit)
+    loss32 = _emit_loss(m32, aux=False)
+    want = jax.jit(jax.grad(loss32))(params, x, y)
+    for same_step in (False, True):  # the scales drawn; chosen in the pass from them
+        scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=same_step)
+        groups = alj.adaptive_unscale(scaler).init(params).groups
+        log2 = dict(zip(groups, [5, -3, 9, 0, 12, -7, 3]))
+        step, state = _grads_through(scaler, lambda p, x, y: _emit_loss(m32)(p, x, y)[0],
+                                     params, (x, y), log2)
+        got, _, stats = step(state, params, x, y)
+        used = {g: float(stats.log2_scales[g]) for g in stats.log2_scales.names}
+        if not same_step:  # (a scale per layer: the slots')
+            assert used == {g: v for g, v in log2.items() if g != "layers/fc"}
+        assert_fp32_trees_close(got, want)

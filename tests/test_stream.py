@@ -109,6 +109,46 @@ def test_jit_checkpoint_and_cond_change_no_plan(wrap):
         assert applied(transformed) == applied(plain)
 
 
+# Values only ``aux`` reads (a metric), or nobody: their cotangent is zero, so what
+# computes them joins no regions (a weight norm in aux joined every module's).
+_UNREAD = {
+    "aux reads every parameter":
+        lambda p, h, o: (jnp.sum(o), jnp.sum(p["a"]["w"] ** 2) + jnp.sum(p["b"]["w"] ** 2)),
+    "aux reads two modules' outputs": lambda p, h, o: (jnp.sum(o), jnp.mean(h * o)),
+    "aux, jitted": lambda p, h, o: (jnp.sum(o), jax.jit(lambda u, v: jnp.mean(u * v))(h, o)),
+    "nobody reads": lambda p, h, o: (jnp.sum(o), (h * o, p["a"]["w"] + p["b"]["w"])[0][0, 0]),
+}
+
+
+@pytest.mark.parametrize("tail", list(_UNREAD))
+def test_what_only_aux_or_nobody_reads_joins_no_regions(tail):
+    """a -> b -> loss, plus values computed from both modules' parameters or outputs
+    that reach ``aux`` only (index 1 of the loss's outputs), or nothing: the plan is
+    the one without them. The same values added to the loss join the regions they
+    read (below)."""
+    def body(p, x):
+        h = a(p["a"], x)
+        return h, b(p["b"], h)
+
+    _, plain = plan_of(lambda p, x: jnp.sum(body(p, x)[1]))
+    _, with_tail = plan_of(lambda p, x: _UNREAD[tail](p, *body(p, x)))
+    assert applied(with_tail) == applied(plain)
+    assert with_tail.params == plain.params == (A, B)
+    # The same in both branches of a cond around the whole loss: the aux of each
+    # branch reaches the cond's second output only.
+    def cond(f):
+        return lambda p, x: jax.lax.cond(
+            x[0, 0] > 0, lambda p, x: f(p, x), lambda p, x: f(p, 2 * x), p, x)
+
+    _, plain = plan_of(cond(lambda p, x: (jnp.sum(body(p, x)[1]), 0.0)))
+    _, with_tail = plan_of(cond(lambda p, x: _UNREAD[tail](p, *body(p, x))))
+    assert applied(with_tail) == applied(plain)
+    # Read by the loss, the parameters' squares join a's and b's parameters' regions.
+    _, read = plan_of(lambda p, x: jnp.sum(body(p, x)[1]) + _UNREAD[
+        "aux reads every parameter"](p, *body(p, x))[1])
+    assert read.params != plain.params
+
+
 def test_a_scan_carry_is_one_region_across_iterations():
     stacked = {"a": {"w": jnp.stack([jnp.eye(4) / 2] * 3)}}
 

@@ -31,7 +31,10 @@ def _scaled_method(cls: type, name: str):
 
 def scaled_class(cls: type, path: tuple[str, ...], base_names: frozenset) -> type:
     """A subclass of ``cls`` whose ``__call__`` and public methods (those not in
-    ``base_names``, the framework base class's own) report their calls as ``path``."""
+    ``base_names``, the framework base class's own) report their calls as ``path``;
+    ``cls`` itself where it has none (a module that only holds values, such as
+    Equinox's ``StateIndex``, which ``eqx.nn.State`` checks by ``type(i) is
+    StateIndex``: nothing to report, so it keeps its class)."""
     if "_adaloss_path" in vars(cls):  # already a scaled class
         cls = cls.__mro__[1]
     key = (cls, path)
@@ -44,6 +47,9 @@ def scaled_class(cls: type, path: tuple[str, ...], base_names: frozenset) -> typ
                 if public and plain and name not in base_names:
                     names.add(name)
         attrs = {n: _scaled_method(cls, n) for n in names if hasattr(cls, n)}
+        if not attrs:
+            _SUBCLASSES[key] = cls
+            return cls
         attrs["_adaloss_path"] = path
         attrs["__module__"] = cls.__module__
         _SUBCLASSES[key] = type(cls.__name__, (cls,), attrs)

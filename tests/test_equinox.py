@@ -181,3 +181,68 @@ def test_a_float32_model_simulating_fp8_skips_nothing_after_step_0(fmt):
         if not bool(alj.scale_state(opt_state).last_applied):
             skipped.append(i)
     assert skipped == []
+
+
+class _Normed(eqx.Module):
+    """Linear -> BatchNorm (Equinox's stateful layer: its running statistics live in an
+    ``eqx.nn.State`` keyed by the ``StateIndex`` it holds) -> Linear."""
+
+    lin: eqx.nn.Linear
+    bn: eqx.nn.BatchNorm
+    head: eqx.nn.Linear
+
+    def __init__(self, dtype, key):
+        k1, k2 = jax.random.split(key)
+        self.lin = eqx.nn.Linear(4, 8, key=k1, dtype=dtype)
+        self.bn = eqx.nn.BatchNorm(8, axis_name="batch", mode="batch", dtype=dtype)
+        self.head = eqx.nn.Linear(8, 3, key=k2, dtype=dtype)
+
+    def __call__(self, x, state):
+        h, state = self.bn(self.lin(x), state)
+        return self.head(jnp.tanh(h)), state
+
+
+def test_a_stateful_layer_keeps_its_state_and_its_gradients_are_fp32s():
+    """``eqx.nn.BatchNorm`` in a model made with ``eqx.nn.make_with_state``, its state
+    passed through the loss and returned in ``aux``: the private copy's
+    ``StateIndex`` keeps its class (``eqx.nn.State`` checks it by identity; swapped, it
+    raised "Can only use eqx.nn.StateIndex's as state keys"). Each module gets a scale,
+    the new running statistics are plain Equinox's, and in fp32 at arbitrary scales
+    the gradients are fp32's."""
+    x = jax.random.normal(jax.random.key(1), (16, 4))
+    y = jnp.arange(16) % 3
+
+    def loss_fn(model, state, x, y):
+        out, state = jax.vmap(model, axis_name="batch", in_axes=(0, None),
+                              out_axes=(0, None))(x, state)
+        ce = optax.softmax_cross_entropy_with_integer_labels(out.astype(jnp.float32), y)
+        return ce.mean(), state
+
+    model, state = eqx.nn.make_with_state(_Normed)(jnp.float32, jax.random.key(0))
+    (_, want_state), want = eqx.filter_value_and_grad(loss_fn, has_aux=True)(
+        model, state, x, y)
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=False,
+                          max_rise=1000)  # (applied however far below its statistics)
+    tx = optax.chain(alj.adaptive_unscale(scaler), alj.skip_nonfinite(optax.sgd(-1.0)))
+    opt_state = tx.init(_params(model))
+    log2 = dict(zip(opt_state[0].groups, [7, -5, 11, 2]))
+    opt_state = (opt_state[0].with_log2_scales(log2), opt_state[1])
+
+    @eqx.filter_jit
+    def step(opt_state, model, state):
+        (loss, new_state), g, stats = eqx_adaptive_value_and_grad(loss_fn, has_aux=True)(
+            opt_state, model, state, x, y)
+        updates, opt_state = tx.update(g, opt_state, _params(model), loss=loss,
+                                       scale_stats=stats)
+        return updates, new_state, stats
+
+    got, new_state, stats = step(opt_state, model, state)
+    assert set(opt_state[0].groups) == {"", "lin", "bn", "head"}
+    assert {g: float(stats.log2_scales[g]) for g in stats.log2_scales.names} == {
+        g: log2[g] for g in stats.log2_scales.names}
+    for a, b in zip(jax.tree_util.tree_leaves(got),
+                    jax.tree_util.tree_leaves(_params(want))):
+        np.testing.assert_allclose(a, b, rtol=1e-5, atol=1e-7)
+    for a, b in zip(jax.tree_util.tree_leaves(new_state),
+                    jax.tree_util.tree_leaves(want_state)):
+        np.testing.assert_array_equal(a, b)

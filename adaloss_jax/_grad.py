@@ -140,10 +140,13 @@ SAME_STEP_NONE = (
     "adaloss_jax: same-step scales (same_step, on by default with groups='module'): no "
     "module's region of this loss can choose its scale in the backward pass (every one "
     "has a point on its border inside a shard_map of the loss or a scan nested in a scan "
-    "that is no stack of layers, or met twice), so every scale is the rule's, set "
+    "that is no stack of layers, or met twice, or is one region with the loss's: a loss "
+    "that reads the parameters themselves, such as a penalty sum(p ** 2), joins every "
+    "module's interior with it), so every scale is the rule's, set "
     "from the steps before, as with same_step=False. Call the modules outside the "
-    "shard_map (or the inner scan) that holds them, or pass same_step=False to say the "
-    "delayed scales are meant")
+    "shard_map (or the inner scan) that holds them, put a weight penalty in the "
+    "optimizer (optax.adamw, optax.add_decayed_weights), or pass same_step=False to say "
+    "the delayed scales are meant")
 
 
 def _plan(rec: _record.Recording, scaler: AdaptiveScale, owners: list,

@@ -1627,6 +1627,33 @@ def test_a_scan_nested_in_a_scan_of_the_loss_keeps_the_plan_and_says_so():
     assert_fp32_trees_close(got, jax.grad(loss)(params, jnp.asarray(_X)))
 
 
+def test_a_weight_penalty_in_the_loss_is_named_and_only_aux_reads_change_nothing():
+    """A loss that reads the parameters themselves (an L2 penalty) joins every module's
+    interior with the loss's region: nothing decides in the pass, and the notice names
+    the fix (the penalty in the optimizer). The same penalty returned in ``aux`` only
+    (a metric) has a zero cotangent and changes no region (it made every module one
+    region with one scale); the gradients stay exact either way."""
+    params, _, _ = _chain()
+
+    def penalty(p):
+        return sum(jnp.sum(w ** 2) for w in jax.tree_util.tree_leaves(p))
+
+    scaler = alj.adaptive(groups="module", compute_dtype="float16", same_step=True,
+                          retries=0)
+    x = jnp.asarray(_X)
+    trace = lambda f: alj._grad.trace(f, scaler, params, (x,), {})[1].live.groups
+    plain = trace(lambda p, x: _chain_loss(p, x))
+    assert {"d1", "d2"} <= set(plain)
+    assert trace(lambda p, x: (_chain_loss(p, x), penalty(p))) == plain
+    in_loss = lambda p, x, y=None: _chain_loss(p, x) + 1e-3 * penalty(p)  # noqa: E731
+    assert trace(in_loss) == ()
+    step, state = _grads_through(scaler, in_loss, params, (x,), {"": 3, "d1": 5, "d2": 12})
+    alj._common._NOTICED.discard("same-step-none")
+    with pytest.warns(UserWarning, match=r"a penalty sum\(p \*\* 2\).*optax.adamw"):
+        got, _, _ = step(state, params, x, _Y)
+    assert_fp32_trees_close(got, jax.grad(in_loss)(params, x))
+
+
 def test_a_scan_of_one_layer_runs_its_body_once_and_decides_as_its_unrolled_twin():
     """A GPT of one block in its ``nn.scan``: the plan reads the block's stacked
     parameters as one group's (no stack), and the scan runs its body once, so its

@@ -44,6 +44,12 @@ SAMPLE = 100
 
 # name: (a line of the mutant's diff, why no test can tell it from the original)
 EQUIVALENT: dict[str, tuple[str, str]] = {
+    "adaloss_jax.flax._linen.xǁTrainStateǁapply_gradients__mutmut_2": (
+        '+    extra = {} if (scale_stats is None) and False else {"scale_stats": scale_stats}',
+        "scale_stats=None passed explicitly instead of left out: TrainState's tx is always "
+        "a scaler's transformation (create wraps it, or the user's scaled one), whose "
+        "update takes scale_stats=None as its default (a plain optax tx fails on loss= "
+        "first)"),
     "adaloss_jax._decide.x_measured__mutmut_162": (
         "+        count=over_devices(full(stats.count, 1.0, jnp.float32), jax.lax.psum,",
         "a group absent from the step's statistics gets count 1 instead of 0: the rule reads "

@@ -162,11 +162,35 @@ MUTATIONS = {
         "a group where an overflow started does not back off"),
     "parameters-measured": (
         "adaloss_jax/_stream.py",
-        "                passed = {i for i, (kv, _) in enumerate(pairs)\n"
-        "                          if self._source(kv) == _PARAMS}",
-        "                passed = set()",
+        "                          if self._source(kv) == _PARAMS or not self.reaches(",
+        "                          if not self.reaches(",
         ["tests/test_jax_transformations.py", "tests/test_stream.py"],
         "a parameter passed into a group as an argument is measured as a cotangent"),
+    "aux-joins-regions": (
+        "adaloss_jax/_stream.py",
+        "                if blob is not None or self.reaches(outs):",
+        "                if True:",
+        ["tests/test_stream.py", "tests/test_live_warmup.py"],
+        "what only aux reads (a weight norm, a per-layer metric) joins the regions it reads"),
+    "unread-outputs-anchored": (
+        "adaloss_jax/_stream.py",
+        "                          if self._source(kv) == _PARAMS or not self.reaches([outs[i]])}",
+        "                          if self._source(kv) == _PARAMS}",
+        ["tests/test_stream.py", "tests/test_live_warmup.py"],
+        "a point's output that only aux reads is converted and measured like a live one"),
+    "reaching-reads-every-input": (
+        "adaloss_jax/_jaxpr.py",
+        "            if mapped:\n",
+        "            if False:\n",
+        ["tests/test_stream.py", "tests/test_live_warmup.py"],
+        "an equation with a sub-jaxpr that reaches the loss reads all its inputs (a scale "
+        "point's output that only aux reads counts as read)"),
+    "value-holder-swapped": (
+        "adaloss_jax/_swap.py",
+        "        if not attrs:\n",
+        "        if False:\n",
+        ["tests/test_equinox.py"],
+        "a module with no method to report (Equinox's StateIndex) gets a subclass too"),
     "loss-seed-not-converted": (
         "adaloss_jax/_apply.py",
         "self.columns, convert=xa != ya, measure=True, y_max=y_max, x_max=lim),",

@@ -396,6 +396,24 @@ def test_a_forward_overflow_leaves_every_group_as_if_the_step_never_ran():
         assert _scales(thrown)[2] - _scales(again)[2] == 3.0
 
 
+def test_a_group_an_overflow_hid_learns_nothing_and_keeps_its_ceiling():
+    """A group that received only non-finite values from another group's overflow
+    backs off with it, but its statistics are lost: nothing is learned of them. Its
+    ceiling stays, even where it runs at that ceiling (its scale lifted there: the
+    statistics that would drop a ceiling asked for at least it), and so do its
+    headroom and held peak."""
+    state = _settled(_state(max_rise=100, decay=INF), [-20.0, -12.0, -12.0], steps=2)
+    vec = type(state.ceiling)
+    at = float(state.log2_scales["b"])
+    state = state.replace(ceiling=vec(GROUPS, jnp.asarray([INF, INF, at], jnp.float32)),
+                          headroom=vec(GROUPS, jnp.asarray([0.0, 0.0, 2.0], jnp.float32)))
+    hid = adjust(state, _measured(state, [-20.0, np.inf, np.inf], bad=(False, True, False)))
+    assert _scales(hid)[2] == at - 4  # backs off with a
+    assert float(hid.ceiling["b"]) == at
+    assert float(hid.headroom["b"]) == 2.0
+    assert float(hid.log2_amax["b"]) == float(state.log2_amax["b"])
+
+
 def test_inactive_groups_keep_everything():
     state = _state(max_rise=100)
     new = adjust(state, _measured(state, [-20.0, -12.0, None], active=(True, True, False)))

@@ -103,15 +103,21 @@ def unread_outputs(jaxpr) -> dict[int, frozenset[int]]:
     return out
 
 
+# Higher-order equations whose derivative is autodiff's of their sub-jaxprs.
+_AUTODIFFED = _INLINE | _REMAT | {"scan", "cond", "shard_map"}
+
+
 def reaching(jaxpr, outputs: Sequence[int]) -> set:
     """The variables of ``jaxpr`` and of its equations' sub-jaxprs (by identity) whose
     value may reach its outputs ``outputs`` (by position): the loss, not ``aux``.
 
     Conservative: an equation that may reach them reads all its inputs, but for one
-    whose sub-jaxprs each take its operands and give its outputs one by one (a
-    ``jit``'s, a scale point's, ``checkpoint``'s, ``scan``'s body with every carry
-    counted, ``cond``'s branches after the index, ``shard_map``'s): it reads those its
-    sub-jaxprs' reaching outputs read. One with an effect reads all. A sub-jaxpr shared
+    whose derivative is autodiff's of sub-jaxprs that each take its operands and give
+    its outputs one by one (a ``jit``'s, a scale point's, ``checkpoint``'s, ``scan``'s
+    body with every carry counted, ``cond``'s branches after the index,
+    ``shard_map``'s): it reads those its sub-jaxprs' reaching outputs read. One with an
+    effect reads all, and so does a ``custom_vjp``/``custom_jvp`` (its own rule may
+    send a cotangent to an input its outputs do not depend on). A sub-jaxpr shared
     by several equations counts what reaches them at any. The other variables (what
     only ``aux`` or nothing reads) get a zero cotangent from every step."""
     reach: set = set()
@@ -127,12 +133,12 @@ def reaching(jaxpr, outputs: Sequence[int]) -> set:
             skip = 1 if e.primitive.name == "cond" else 0  # (its index: always read)
             ins = list(e.invars)
             subs = [sub.jaxpr for sub in subprograms(e)]
-            mapped = bool(subs) and not e.effects and all(
-                len(b.outvars) == len(outs) and len(b.invars) == len(ins) - skip
-                for b in subs)
+            mapped = (e.primitive.name in _AUTODIFFED and bool(subs) and not e.effects
+                      and all(len(b.outvars) == len(outs) and len(b.invars) == len(ins) - skip
+                              for b in subs))
             for body in subs:
                 walk(body, [w or i < carry for i, w in enumerate(outs)]
-                     if len(body.outvars) == len(outs) else [True] * len(body.outvars))
+                     if mapped else [True] * len(body.outvars))
             if mapped:
                 ins = ins[:skip] + [v for i, v in enumerate(ins[skip:])
                                     if any(b.invars[i] in reach for b in subs)]

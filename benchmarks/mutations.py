@@ -185,6 +185,12 @@ MUTATIONS = {
         ["tests/test_stream.py", "tests/test_live_warmup.py"],
         "an equation with a sub-jaxpr that reaches the loss reads all its inputs (a scale "
         "point's output that only aux reads counts as read)"),
+    "custom-rule-trusted": (
+        "adaloss_jax/_jaxpr.py",
+        "            mapped = (e.primitive.name in _AUTODIFFED and bool(subs)",
+        "            mapped = (bool(subs)",
+        ["tests/test_stream.py"],
+        "a custom_vjp's inputs reach the loss only where its forward reads them"),
     "value-holder-swapped": (
         "adaloss_jax/_swap.py",
         "        if not attrs:\n",

@@ -149,6 +149,37 @@ def test_what_only_aux_or_nobody_reads_joins_no_regions(tail):
     assert read.params != plain.params
 
 
+def test_reaching_follows_autodiff_and_trusts_no_custom_rule():
+    """``_jaxpr.reaching``: a scan's per-iteration output that only ``aux`` reads does
+    not reach the loss, nor what computes it inside the body or a jit; its carry and
+    what feeds the loss do. A ``custom_vjp`` whose rule sends a cotangent to an input
+    its output ignores reads that input: the input reaches."""
+    @jax.custom_vjp
+    def first(u, v):
+        return u
+
+    first.defvjp(lambda u, v: (u, None), lambda _, g: (g, g))
+
+    def loss(x, y):
+        def body(c, xi):
+            return c * xi, jnp.cos(c)  # the carry; a per-iteration value for aux only
+
+        c, ys = jax.lax.scan(body, x, jnp.stack([x, x]))
+        aux = jax.jit(lambda t: jnp.exp(t))(ys)
+        return jnp.sum(first(c, jnp.sin(y))), aux
+
+    jaxpr = jax.make_jaxpr(loss)(jnp.ones(3), jnp.ones(3)).jaxpr
+    reach = _jaxpr.reaching(jaxpr, [0])
+    eqn = {e.primitive.name: e for e in jaxpr.eqns}
+    carry, ys = eqn["scan"].outvars
+    assert carry in reach and ys not in reach
+    body = eqn["scan"].params["jaxpr"].jaxpr
+    assert {e.primitive.name for e in body.eqns if e.outvars[0] in reach} == {"mul"}
+    assert eqn["jit"].outvars[0] not in reach
+    assert eqn["sin"].outvars[0] in reach  # (the custom rule's cotangent for it)
+    assert jaxpr.outvars[0] in reach and jaxpr.outvars[1] not in reach
+
+
 def test_a_scan_carry_is_one_region_across_iterations():
     stacked = {"a": {"w": jnp.stack([jnp.eye(4) / 2] * 3)}}
 

@@ -589,3 +589,52 @@ def test_groups_cut_at_max_depth_are_exact_stable_and_no_worse_than_global(ops, 
     nested = set(ops) - {"dense", "bn", "fori"}  # every other op is a module with children
     n_module = len(_applied_points(loss16, per_module, params, tokens))
     assert applied["module"] < n_module if nested else applied["module"] == n_module, ops
+
+
+# ---------------------------------------------------- what only aux reads
+
+
+@settings(max_examples=1, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(ops=st.lists(st.sampled_from(OPS), min_size=2, max_size=4), tied=st.booleans(),
+       seed=st.integers(0, 3))
+@example(ops=["scan", "residual", "reuse"], tied=True, seed=0)
+def test_what_only_aux_reads_changes_no_plan_and_no_gradient(ops, tied, seed):
+    """On any graph, a loss that also returns in ``aux`` the parameters' global norm and
+    a value of every module's output (sown) has the plan of the loss without them (the
+    same points, anchors, parameter conversions and deciders), and at the same random
+    scales bitwise the same gradients and statistics: their cotangent is zero."""
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, V, size=(B, T + 1)))
+    model = RandomNet(tuple(ops), tied, jnp.float16)
+    variables = model.init(jax.random.key(0), tokens[:, :-1])
+    params = variables["params"]
+    others = {k: v for k, v in variables.items() if k != "params"}
+    plain = _loss(model, others, 1.0)
+
+    def with_aux(p, tokens):
+        out, sown = model.apply({"params": p, **others}, tokens[:, :-1],
+                                mutable=["batch_stats", "intermediates"],
+                                capture_intermediates=True)
+        logits = out.astype(jnp.float32)
+        loss = optax.softmax_cross_entropy_with_integer_labels(logits, tokens[:, 1:]).mean()
+        taps = [jnp.mean(jnp.square(x.astype(jnp.float32)))
+                for x in jax.tree_util.tree_leaves(sown["intermediates"])
+                if jnp.issubdtype(x.dtype, jnp.floating)]
+        return loss, {"norm": optax.tree.norm(p), "taps": taps}
+
+    scaler = alj.adaptive(groups="module")
+    programs = [_grad.trace(f, scaler, params, (tokens,), {})[1] for f in (plain, with_aux)]
+    assert programs[0].plan.points == programs[1].plan.points, ops
+    assert programs[0].plan.params == programs[1].plan.params, ops
+    assert programs[0].live.groups == programs[1].live.groups, ops
+    assert programs[0].live.fanins == programs[1].live.fanins, ops
+    state = alj.adaptive_unscale(scaler).init(params)
+    rng = np.random.default_rng(seed)
+    state = state.with_log2_scales({g: int(rng.integers(-4, 44)) for g in state.log2_scales})
+    _, grads_p, stats_p = jax.jit(alj.adaptive_value_and_grad(plain))(state, params, tokens)
+    _, grads_a, stats_a = jax.jit(alj.adaptive_value_and_grad(with_aux, has_aux=True))(
+        state, params, tokens)
+    for a, b in zip(jax.tree_util.tree_leaves(grads_p), jax.tree_util.tree_leaves(grads_a)):
+        assert np.array_equal(a, b, equal_nan=True), ops
+    for g in stats_p.amax:
+        assert np.array_equal(stats_p.amax[g], stats_a.amax[g]), (ops, g)

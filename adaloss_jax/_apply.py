@@ -81,7 +81,6 @@ class Program:
         self.columns = _channel.Columns.of(scaler)
         self.reader = _jaxpr.Reader()
         self._memo: dict[int, tuple[list[Site], Any]] = {}
-        self._unread = _jaxpr.unread_outputs(closed.jaxpr)
         self.live = self._live() if scaler.same_step else _live.Live()
 
     def _live(self) -> _live.Live:
@@ -157,10 +156,9 @@ class Program:
         fmt = self.scaler.format
         rounds = self.scaler.simulate and n in self.rounding
         members: dict = {}
-        unread = self._unread.get(id(eqn), frozenset())
         for i, pair in enumerate(zip(pp.x, pp.y)):
-            if pair[0] is not None and i not in unread:  # else computed from parameters
-                # alone, or read by nothing (its cotangent zero): passes as is
+            if pair[0] is not None:  # else computed from parameters alone, or read by
+                # nothing that reaches the loss (its cotangent zero): passes as is
                 members.setdefault(pair, []).append(i)
         sites = []
         if n in self.casts:  # on the wide side of a cast: measured before it narrows,

@@ -79,30 +79,6 @@ def subprograms(eqn) -> list[Sub]:
     return out
 
 
-def unread_outputs(jaxpr) -> dict[int, frozenset[int]]:
-    """Per point equation anywhere in ``jaxpr`` (by ``id``), its outputs that nothing in
-    their scope reads, neither an equation nor the scope's results: their cotangent is
-    zero by construction, not a value that flushed (a module that reads only its input's
-    shape, as Flax's ``DenseParams`` inside ``OptimizedLSTMCell``)."""
-    out: dict[int, frozenset[int]] = {}
-
-    def walk(j) -> None:
-        read = {v for e in j.eqns for v in e.invars if isinstance(v, jcore.Var)}
-        read |= {v for v in j.outvars if isinstance(v, jcore.Var)}
-        for e in j.eqns:
-            if point_number(e) is not None:
-                unread = frozenset(i for i, v in enumerate(e.outvars)
-                                   if isinstance(v, jcore.DropVar) or v not in read)
-                if unread:
-                    out[id(e)] = unread
-                continue
-            for sub in subprograms(e):
-                walk(sub.jaxpr)
-
-    walk(jaxpr)
-    return out
-
-
 # Higher-order equations whose derivative is autodiff's of their sub-jaxprs.
 _AUTODIFFED = _INLINE | _REMAT | {"scan", "cond", "shard_map"}
 
@@ -119,7 +95,9 @@ def reaching(jaxpr, outputs: Sequence[int]) -> set:
     effect reads all, and so does a ``custom_vjp``/``custom_jvp`` (its own rule may
     send a cotangent to an input its outputs do not depend on). A sub-jaxpr shared
     by several equations counts what reaches them at any. The other variables (what
-    only ``aux`` or nothing reads) get a zero cotangent from every step."""
+    only ``aux`` or nothing reads: a scale point's output that a module reading only
+    its input's shape ignores, as Flax's ``DenseParams`` inside ``OptimizedLSTMCell``)
+    get a zero cotangent from every step, not a value that flushed."""
     reach: set = set()
 
     def walk(j, wanted: list[bool]) -> None:

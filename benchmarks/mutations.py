@@ -176,8 +176,10 @@ MUTATIONS = {
         "adaloss_jax/_stream.py",
         "                          if self._source(kv) == _PARAMS or not self.reaches([outs[i]])}",
         "                          if self._source(kv) == _PARAMS}",
-        ["tests/test_stream.py", "tests/test_live_warmup.py"],
-        "a point's output that only aux reads is converted and measured like a live one"),
+        ["tests/test_live.py", "tests/test_stream.py", "tests/test_live_warmup.py"],
+        "a point's output that nothing reaching the loss reads (only aux, or a module "
+        "reading its input's shape) gets a site: its zeros count as a cotangent that "
+        "arrived as zeros (an OptimizedLSTMCell fan-in's groups starved every step)"),
     "reaching-reads-every-input": (
         "adaloss_jax/_jaxpr.py",
         "            if mapped:\n",
@@ -735,13 +737,6 @@ MUTATIONS = {
         "                    if False:",
         ["tests/test_live.py"],
         "an adopting group is unscaled by its planned scale, not the fan-in's choice"),
-    "unread-points-kept": (
-        "adaloss_jax/_apply.py",
-        "            if pair[0] is not None and i not in unread:  # else computed from parameters",
-        "            if pair[0] is not None:  # else computed from parameters",
-        ["tests/test_live.py", "tests/test_live_warmup.py"],
-        "a point that nothing reads gets a site: its zeros count as a cotangent that "
-        "arrived as zeros (the fan-in's groups starved every step)"),
     "own-counts-float32": (
         "adaloss_jax/_channel.py",
         "            e_own.append(i in own and lim < _WIDE)",

@@ -117,6 +117,11 @@ _UNREAD = {
     "aux reads two modules' outputs": lambda p, h, o: (jnp.sum(o), jnp.mean(h * o)),
     "aux, jitted": lambda p, h, o: (jnp.sum(o), jax.jit(lambda u, v: jnp.mean(u * v))(h, o)),
     "nobody reads": lambda p, h, o: (jnp.sum(o), (h * o, p["a"]["w"] + p["b"]["w"])[0][0, 0]),
+    "aux, rematerialised": lambda p, h, o: (
+        jnp.sum(o), jax.checkpoint(lambda u, v: jnp.mean(u * v))(h, o)),
+    "aux, in a shard_map": lambda p, h, o: (jnp.sum(o), jax.shard_map(
+        lambda u, v: jnp.mean(u * v), mesh=jax.make_mesh((1,), ("d",)),
+        in_specs=(jax.P(), jax.P()), out_specs=jax.P())(h, o)),
 }
 
 
